@@ -1,0 +1,151 @@
+"""The ``dschat`` command line: ``train``, ``pipeline``, ``data inspect``, ``eval``, ...
+
+Stage flags are generated from the stage's config dataclass (``dschat.config``); ``dschat train --step N``
+forwards its arguments to the stage command, in-process or under the ``deepspeed`` launcher.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from dschat.config import build_config, flag_specs, load_config_file
+from dschat.errors import UserError
+
+STAGE_MODULES = {1: "step1_sft.main", 2: "step2_reward.main", 3: "step3_rlhf.main"}
+
+
+def _click_option(spec: Any) -> click.Option:
+    dash = spec.name.replace("_", "-")
+    help_text = spec.help
+    if spec.type is bool:
+        decls = [f"--{dash}/--no-{dash}"]
+        if dash != spec.name:
+            decls.append(f"--{spec.name}/--no_{spec.name}")
+        return click.Option(decls + [spec.name], default=spec.default, help=help_text, hidden=spec.hidden,
+                            show_default=True)
+    decls = [f"--{dash}"] + ([f"--{spec.name}"] if dash != spec.name else [])
+    if spec.type is list:
+        return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
+    ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type
+    return click.Option(decls + [spec.name], type=ptype, default=spec.default, help=help_text,
+                        hidden=spec.hidden, show_default=spec.default is not None and spec.default != "")
+
+
+def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: str) -> click.Command:
+    """A click command whose options are the flags of ``config_cls``; ``--config FILE`` fills any of them.
+
+    Precedence: dataclass default < config file < command line.
+    """
+    params: list[click.Parameter] = [
+        click.Option(["--config", "config_file"], type=click.Path(dir_okay=False),
+                     help="YAML or JSON file holding any of these flags (command line wins).")
+    ]
+    params += [_click_option(s) for s in flag_specs(config_cls)]
+
+    def callback(config_file: str | None, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        values = load_config_file(config_file) if config_file else {}
+        for key, value in kwargs.items():
+            if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
+                values[key] = list(value) if isinstance(value, tuple) else value
+        return run(build_config(config_cls, values))
+
+    return click.Command(name, params=params, callback=callback, help=help,
+                         context_settings={"max_content_width": 110})
+
+
+def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:
+    """Run a click command; user errors become one line on stderr and exit code 2, never a traceback."""
+    try:
+        cmd.main(args=argv, standalone_mode=False)
+    except UserError as e:
+        click.echo(f"dschat: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+def stage_module(step: int) -> Any:
+    return importlib.import_module(STAGE_MODULES[step])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_argv(script: str, args: list[str], num_gpus: int | None, hostfile: str | None,
+                  master_port: int | None, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``deepspeed`` launcher command that runs ``script args`` on N local devices or a hostfile."""
+    exe = shutil.which("deepspeed")
+    cmd = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if hostfile:
+        if not os.path.isfile(hostfile):
+            raise UserError(f"{hostfile}: hostfile not found")
+        cmd += ["--hostfile", hostfile]
+    if num_gpus:
+        cmd += ["--num_gpus", str(num_gpus)]
+    cmd += ["--master_port", str(master_port or _free_port())]
+    cmd += list(launcher_args)
+    return cmd + [script] + args
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="dschat")
+def main() -> None:
+    """dschat: a three-stage RLHF pipeline (SFT -> reward model -> PPO/GRPO) on DeepSpeed."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                "help_option_names": []})
+@click.option("--step", type=click.IntRange(1, 3), help="Stage to run: 1 SFT, 2 reward model, 3 RLHF.")
+@click.option("--num-gpus", "--num_gpus", "num_gpus", type=int, default=None,
+              help="Run under the deepspeed launcher with N local ranks (CPU ranks when there is no GPU).")
+@click.option("--hostfile", default=None, help="Run under the deepspeed launcher on the hosts of this hostfile.")
+@click.option("--master-port", "--master_port", "master_port", type=int, default=None,
+              help="Rendezvous port for the launcher (default: a free port).")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_port: int | None,
+          args: tuple[str, ...]) -> None:
+    """Train one stage: dschat train --step N [stage flags...]; add --help after --step N for its flags."""
+    if step is None:
+        if any(a in ("-h", "--help") for a in args):
+            click.echo(click.get_current_context().get_help())
+            return
+        raise UserError("missing --step (1 SFT, 2 reward model, 3 RLHF)")
+    module = stage_module(step)
+    if num_gpus or hostfile:
+        cmd = launcher_argv(module.__file__, list(args), num_gpus, hostfile, master_port)
+        click.echo("launching: " + " ".join(cmd), err=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            sys.exit(rc)
+        return
+    module.command.main(args=list(args), standalone_mode=False)
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    from dschat import commands  # noqa: F401 - registers the remaining subcommands on `main`
+
+    run_command(main)

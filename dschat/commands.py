@@ -1,0 +1,73 @@
+"""Subcommands beyond ``train``: ``data inspect``, ``eval``, ``pipeline``, ...
+
+Imported lazily by ``dschat.cli.cli`` so that ``import dschat.cli`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from dschat.cli import main
+from dschat.config import DataArgs
+
+
+@main.group()
+def data() -> None:
+    """Inspect datasets as the stages will see them."""
+
+
+@data.command("inspect")
+@click.option("--data", "data_", multiple=True, help="Dataset (repeatable, path[:weight]); default: the demo corpus.")
+@click.option("--phase", type=click.IntRange(1, 3), default=1, show_default=True, help="Train phase to show.")
+@click.option("--model", default="tiny", show_default=True, help="Model whose tokenizer is used.")
+@click.option("--data-split", "--data_split", "data_split", default="10,10,10", show_default=True,
+              help="Split proportions (the default gives every phase a third).")
+@click.option("--max-seq-len", "--max_seq_len", "max_seq_len", type=int, default=256, show_default=True)
+@click.option("--max-prompt-seq-len", "--max_prompt_seq_len", "max_prompt_seq_len", type=int, default=128,
+              show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("-n", "--num-samples", "num_samples", type=int, default=3, show_default=True)
+def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str, max_seq_len: int,
+                 max_prompt_seq_len: int, seed: int, num_samples: int) -> None:
+    """Print decoded samples of a train phase with their token ids and masks, and the drop counts."""
+    from dschat.data import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, load_phase
+    from dschat.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(model))
+    args = DataArgs(data=list(data_), data_split=data_split, max_seq_len=max_seq_len,
+                    max_prompt_seq_len=max_prompt_seq_len)
+    pd = load_phase(args, phase, tok, seed, log=lambda s: click.echo(s, err=True))
+    for src in pd.sources:
+        click.echo(f"source {src['name']}: format {src['format']}, {src['rows']} rows, "
+                   f"{src['train_rows']} phase-{phase} train rows")
+    click.echo("counts: " + ", ".join(f"{k}={v}" for k, v in sorted(pd.counts.items())))
+    rows = pd.train[:num_samples]
+    pad = tok.pad_token_id
+    collator: Any = {1: DataCollatorSFT, 2: DataCollatorReward, 3: DataCollatorRLHF}[phase](pad)
+    batch = collator(rows)
+    for i, row in enumerate(rows):
+        click.echo(f"\n=== sample {i} ===")
+        if phase == 1:
+            ids, labels = row["input_ids"], row["labels"]
+            n_prompt = sum(1 for x in labels if x == -100)
+            click.echo(f"prompt ({n_prompt} tokens, masked): {tok.decode(ids[:n_prompt])!r}")
+            click.echo(f"answer ({len(ids) - n_prompt} tokens, trained): {tok.decode(ids[n_prompt:])!r}")
+            click.echo(f"input_ids: {ids}")
+            click.echo(f"labels:    {labels}")
+            click.echo(f"attention_mask (padded batch): {batch['attention_mask'][i].tolist()}")
+        elif phase == 2:
+            b = len(rows)
+            for name, j in (("chosen", i), ("rejected", b + i)):
+                ids = row[f"{name}_input_ids"]
+                click.echo(f"{name} ({len(ids)} tokens): {tok.decode(ids)!r}")
+                click.echo(f"  input_ids: {ids}")
+                click.echo(f"  attention_mask (batch row {j}, right-padded): {batch['attention_mask'][j].tolist()}")
+        else:
+            ids = row["prompt_input_ids"]
+            click.echo(f"prompt ({len(ids)} tokens): {tok.decode(ids)!r}")
+            click.echo(f"  input_ids: {ids}")
+            click.echo(f"  prompt_att_mask (left-padded): {batch['prompt_att_mask'][i].tolist()}")
+            if row.get("answer") is not None:
+                click.echo(f"  answer: {row['answer']!r}")

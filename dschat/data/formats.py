@@ -1,0 +1,248 @@
+"""Row formats (SPEC section 2): detection per file, validation per row, and rendering to text.
+
+A row is turned into an ``Example``: a prompt (text or chat messages) plus whatever answers it has. A missing
+required field is a user error naming the file, line and field; an empty value only drops the row (counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dschat.data.sources import WHERE
+from dschat.errors import UserError
+
+PAIRWISE = "pairwise"
+CONV_PAIRWISE = "conversational_pairwise"
+SFT = "sft"
+PROMPT_ONLY = "prompt_only"
+JUDGE = "judge_pairwise"
+FORMATS = (PAIRWISE, CONV_PAIRWISE, SFT, PROMPT_ONLY, JUDGE)
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Example:
+    """A normalised row. ``prompt`` is text or messages; answers are assistant texts (already split off)."""
+
+    prompt: str | Messages
+    chosen: str | None = None
+    rejected: str | None = None
+    answer: str | None = None  # ground truth for rule rewards / the judge's winner
+    extra: dict[str, Any] = field(default_factory=dict)
+    where: str = ""
+
+
+class Dropped(Exception):
+    """A row that is merely unusable: dropped and counted under ``reason``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _keys(row: dict[str, Any]) -> dict[str, str]:
+    """Lower-cased key -> original key (Zhihu-KOL uses INSTRUCTION/RESPONSE)."""
+    return {k.lower(): k for k in row if k != WHERE}
+
+
+def detect_format(row: dict[str, Any]) -> str | None:
+    k = _keys(row)
+    if "context_messages" in k and "winner" in k:
+        return JUDGE
+    if "chosen" in k and "rejected" in k:
+        return CONV_PAIRWISE if isinstance(row[k["chosen"]], list) or isinstance(row.get(k.get("prompt", "")),
+                                                                                   list) else PAIRWISE
+    if "messages" in k or ("prompt" in k and ("response" in k or "completion" in k)):
+        return SFT
+    if "instruction" in k and ("output" in k or "response" in k):
+        return SFT
+    if "prompt" in k or "question" in k:
+        return PROMPT_ONLY
+    return None
+
+
+def describe_keys(row: dict[str, Any]) -> str:
+    return ", ".join(sorted(_keys(row).values())) or "(no fields)"
+
+
+def _get(row: dict[str, Any], *names: str, required: bool = True) -> Any:
+    k = _keys(row)
+    for n in names:
+        if n in k:
+            return row[k[n]]
+    if required:
+        raise UserError(f"{row.get(WHERE, '?')}: missing field {names[0]!r} (has: {describe_keys(row)})")
+    return None
+
+
+def _text(row: dict[str, Any], value: Any, name: str) -> str:
+    """A string field: None or blank drops the row; any other non-string is a user error."""
+    if value is None:
+        raise Dropped("empty")
+    if not isinstance(value, str):
+        raise UserError(f"{row.get(WHERE, '?')}: field {name!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise Dropped("empty")
+    return value
+
+
+def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
+    if value is None:
+        raise Dropped("empty")
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise UserError(f"{row.get(WHERE, '?')}: field {name!r} must be a list of {{role, content}} messages")
+    out = []
+    for i, m in enumerate(value):
+        if "role" not in m or "content" not in m:
+            raise UserError(f"{row.get(WHERE, '?')}: field {name!r} message {i} needs 'role' and 'content'")
+        if not isinstance(m["content"], str):
+            raise UserError(f"{row.get(WHERE, '?')}: field {name!r} message {i}: 'content' must be a string")
+        out.append({"role": str(m["role"]), "content": m["content"]})
+    if not out or not any(m["content"].strip() for m in out):
+        raise Dropped("empty")
+    return out
+
+
+def _assistant_text(row: dict[str, Any], value: Any, name: str) -> str:
+    """An answer given as a string, one assistant message, or a list ending with one."""
+    if isinstance(value, str) or value is None:
+        return _text(row, value, name)
+    msgs = _messages(row, value, name)
+    if msgs[-1]["role"] != "assistant":
+        raise UserError(f"{row.get(WHERE, '?')}: field {name!r} must end with an assistant message")
+    return _text(row, msgs[-1]["content"], name)
+
+
+def split_hh_text(text: str) -> tuple[str, str] | None:
+    """Anthropic/hh-rlhf stores the whole dialogue; the prompt ends at the last 'Assistant:'."""
+    cut = text.rfind("\n\nAssistant:")
+    if cut < 0:
+        return None
+    cut += len("\n\nAssistant:")
+    return text[:cut], text[cut:]
+
+
+def parse_row(row: dict[str, Any], fmt: str) -> Example:
+    """Validate one row of a file detected as ``fmt`` and normalise it. Raises UserError or Dropped."""
+    where = str(row.get(WHERE, "?"))
+    extra = {k: v for k, v in row.items() if k != WHERE}
+    if fmt == PAIRWISE:
+        chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
+        prompt = _get(row, "prompt", required=False)
+        if prompt is None:  # hh-rlhf: the prompt is the shared dialogue before the last Assistant turn
+            c, x = split_hh_text(_text(row, chosen_raw, "chosen")), split_hh_text(_text(row, rejected_raw,
+                                                                                         "rejected"))
+            if c is None or x is None or c[0] != x[0]:
+                raise UserError(f"{where}: missing field 'prompt' (and chosen/rejected are not "
+                                "'Human:/Assistant:' dialogues sharing a prompt)")
+            prompt, chosen, rejected = c[0], c[1], x[1]
+        else:
+            prompt = _text(row, prompt, "prompt")
+            chosen, rejected = _text(row, chosen_raw, "chosen"), _text(row, rejected_raw, "rejected")
+        if not chosen.strip() or not rejected.strip():
+            raise Dropped("empty")
+        return Example(prompt, chosen, rejected, extra=extra, where=where)
+    if fmt == CONV_PAIRWISE:
+        prompt_raw = _get(row, "prompt", required=False)
+        chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
+        if prompt_raw is not None:
+            prompt_msgs = _messages(row, prompt_raw, "prompt") if not isinstance(prompt_raw, str) else \
+                [{"role": "user", "content": _text(row, prompt_raw, "prompt")}]
+            chosen = _assistant_text(row, chosen_raw, "chosen")
+            rejected = _assistant_text(row, rejected_raw, "rejected")
+            return Example(prompt_msgs, chosen, rejected, extra=extra, where=where)
+        c, x = _messages(row, chosen_raw, "chosen"), _messages(row, rejected_raw, "rejected")
+        n = 0
+        while n < min(len(c), len(x)) - 1 and c[n] == x[n]:
+            n += 1
+        if n == 0 or c[:n] != x[:n] or c[-1]["role"] != "assistant" or x[-1]["role"] != "assistant":
+            raise UserError(f"{where}: 'chosen' and 'rejected' must share the prompt messages and end with "
+                            "an assistant message")
+        if len(c) != n + 1 or len(x) != n + 1:
+            raise UserError(f"{where}: 'chosen' and 'rejected' must differ only in their last assistant message")
+        return Example(c[:n], _text(row, c[-1]["content"], "chosen"), _text(row, x[-1]["content"], "rejected"),
+                       extra=extra, where=where)
+    if fmt == SFT:
+        k = _keys(row)
+        if "messages" in k:
+            msgs = _messages(row, row[k["messages"]], "messages")
+            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                raise UserError(f"{where}: field 'messages' must hold a prompt and end with an assistant message")
+            return Example(msgs[:-1], chosen=_text(row, msgs[-1]["content"], "messages"), extra=extra, where=where)
+        if "instruction" in k:  # alpaca / Zhihu-KOL: a bare question, rendered with the chat template
+            question = _text(row, row[k["instruction"]], k["instruction"])
+            inp = row.get(k["input"]) if "input" in k else None
+            if isinstance(inp, str) and inp.strip():
+                question = f"{question}\n\n{inp}"
+            response = _get(row, "output", "response")
+            return Example([{"role": "user", "content": question}], chosen=_text(row, response, "output"),
+                           extra=extra, where=where)
+        prompt_raw = _get(row, "prompt")
+        prompt = _text(row, prompt_raw, "prompt") if isinstance(prompt_raw, str) or prompt_raw is None else \
+            _messages(row, prompt_raw, "prompt")
+        response = _get(row, "response", "completion")
+        return Example(prompt, chosen=_assistant_text(row, response, "response"), extra=extra, where=where)
+    if fmt == PROMPT_ONLY:
+        prompt_raw = _get(row, "prompt", "question")
+        prompt = _text(row, prompt_raw, "prompt") if isinstance(prompt_raw, str) or prompt_raw is None else \
+            _messages(row, prompt_raw, "prompt")
+        answer = _get(row, "answer", "ground_truth", "solution", required=False)
+        return Example(prompt, answer=None if answer is None else str(answer), extra=extra, where=where)
+    if fmt == JUDGE:
+        msgs = _messages(row, _get(row, "context_messages"), "context_messages")
+        winner = _get(row, "winner")
+        if winner not in ("model_a", "model_b"):
+            raise UserError(f"{where}: field 'winner' must be 'model_a' or 'model_b', got {winner!r}")
+        return Example(msgs, answer=winner, extra=extra, where=where)
+    raise ValueError(f"unknown format {fmt}")
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(prompt: str | Messages, tokenizer: Any) -> str:
+    """Prompt text ending where the assistant's answer begins.
+
+    Text prompts are used as given (rm-static style prompts already hold 'Human: ... Assistant:'). Messages use
+    the tokenizer's chat template, or the plain Human/Assistant template when it has none.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    parts = []
+    for m in prompt:
+        if m["role"] == "system":
+            parts.append(m["content"].strip() + "\n")
+        elif m["role"] == "assistant":
+            parts.append(f"{ASSISTANT} {m['content']}")
+        else:
+            parts.append(f"{HUMAN} {m['content']}")
+    return "".join(parts) + ASSISTANT
+
+
+def render_answer(prompt: str | Messages, answer: str, tokenizer: Any) -> str:
+    """The answer text that follows ``render_prompt(prompt)``, in the same template."""
+    if isinstance(prompt, str):
+        return answer
+    if has_chat_template(tokenizer):
+        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False)
+        if full.startswith(head):
+            # The template's own end-of-turn marker stays in the answer; the EOS token is appended later.
+            tail = full[len(head):]
+            eos = getattr(tokenizer, "eos_token", None)
+            if eos and tail.rstrip().endswith(eos):
+                tail = tail.rstrip()[: -len(eos)]
+            return tail
+        return answer
+    return answer if answer.startswith((" ", "\n")) else " " + answer

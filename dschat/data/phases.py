@@ -1,0 +1,254 @@
+"""Train-phase datasets (SPEC section 2): split, tokenize, count drops, cache.
+
+``load_phase(data, phase, tokenizer, seed)`` gives the tokenized train and eval rows of one train_phase:
+1. SFT: ``input_ids``, ``labels`` (prompt masked with -100 by default) of prompt + chosen + EOS.
+2. Reward: ``chosen_input_ids`` and ``rejected_input_ids`` (prompt + answer + EOS); identical pairs dropped.
+3. RL: ``prompt_input_ids`` (left-truncated to ``max_prompt_seq_len``), plus the row's ground truth.
+
+Every source is split once, deterministically by seed, into three disjoint parts proportional to
+``--data-split``; phase k uses part k. The tokenized result is cached under a key that covers every input that
+shapes it, so a changed file, split, seed, tokenizer or length never reuses a stale cache.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dschat.config import DataArgs
+from dschat.data.formats import (
+    FORMATS,
+    Dropped,
+    Example,
+    describe_keys,
+    detect_format,
+    parse_row,
+    render_answer,
+    render_prompt,
+)
+from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
+from dschat.errors import UserError
+from dschat.utils import cache_root, stable_hash
+
+CACHE_VERSION = 1  # bump when tokenization logic changes, so old caches are never read
+
+
+@dataclass
+class PhaseData:
+    """Tokenized rows of one train phase, with what was dropped and why."""
+
+    phase: int
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    counts: dict[str, int] = field(default_factory=dict)
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parse_split(text: str) -> list[float]:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--data-split {text!r}: expected three numbers like 2,4,4") from None
+    if len(parts) != 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise UserError(f"--data-split {text!r}: expected three non-negative numbers with a positive sum")
+    return parts
+
+
+def split_indices(n: int, split: list[float], seed: int, phase: int) -> list[int]:
+    """Indices of part ``phase`` (1-based) of a seeded permutation of ``range(n)``; parts are disjoint."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    total = sum(split)
+    bounds = [0]
+    acc = 0.0
+    for w in split:
+        acc += w
+        bounds.append(int(round(n * acc / total)))
+    return order[bounds[phase - 1]: bounds[phase]]
+
+
+def demo_sources() -> list[DataSpec]:
+    """The embedded demo corpus, written once into the cache (deterministic, so any rank may write it)."""
+    from dschat.demo import write_demo_files
+
+    folder = cache_root() / "demo"
+    path = folder / "pairwise.jsonl"
+    if not path.exists():
+        write_demo_files(folder)
+    return [DataSpec(str(path))]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    probe = "Human: 你好，请问我的快递到哪了？ Assistant: order #123 <answer>42</answer>"
+    return stable_hash([type(tokenizer).__name__, vocab, tokenizer.all_special_tokens,
+                        getattr(tokenizer, "chat_template", None), tokenizer(probe)["input_ids"]])
+
+
+def _weighted(rows: list[Any], weight: float) -> list[Any]:
+    """``weight`` 0.5 keeps the first half (rows are already shuffled), 2 repeats every row twice."""
+    whole, frac = int(weight), weight - int(weight)
+    return rows * whole + rows[: int(round(frac * len(rows)))]
+
+
+def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: int, phase: int,
+                    data: DataArgs) -> tuple[str, list[Example], list[Example], Counter[str]]:
+    counts: Counter[str] = Counter()
+    if not raw.train:
+        raise UserError(f"{raw.name}: no rows")
+    fmt = detect_format(raw.train[0])
+    if fmt is None:
+        raise UserError(f"{raw.train[0].get(WHERE, raw.name)}: cannot tell the row format from its fields "
+                        f"({describe_keys(raw.train[0])}); expected one of {', '.join(FORMATS)} (SPEC section 2)")
+
+    def parse(rows: list[dict[str, Any]]) -> list[Example]:
+        out = []
+        for row in rows:
+            try:
+                out.append(parse_row(row, fmt))
+            except Dropped as d:
+                counts[f"dropped_{d.reason}"] += 1
+        return out
+
+    part = [raw.train[i] for i in split_indices(len(raw.train), split, seed, phase)]
+    if raw.test is not None:
+        train_rows, eval_rows = part, list(raw.test)
+    else:
+        # Held-out rows come from this phase's own part, so no phase ever evaluates on another's training rows.
+        n_eval = int(round(len(part) * data.eval_fraction)) if len(part) >= 2 else 0
+        n_eval = max(n_eval, 1) if data.eval_fraction > 0 and len(part) >= 2 else n_eval
+        if data.max_eval_rows:
+            n_eval = min(n_eval, data.max_eval_rows)
+        eval_rows, train_rows = part[:n_eval], part[n_eval:]
+    if data.max_eval_rows and len(eval_rows) > data.max_eval_rows:
+        eval_rows = eval_rows[: data.max_eval_rows]
+    return fmt, parse(_weighted(train_rows, spec.weight)), parse(eval_rows), counts
+
+
+def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in range(0, len(texts), 1024):
+        out += tokenizer(texts[i: i + 1024], add_special_tokens=special)["input_ids"]
+    return out
+
+
+def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data: DataArgs,
+                      counts: Counter[str]) -> list[dict[str, Any]]:
+    """Tokenize normalised examples for ``phase``; unusable rows are dropped into ``counts``."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer has no EOS token; set one in its tokenizer_config.json")
+    usable: list[Example] = []
+    for ex in examples:
+        if phase == 1 and ex.chosen is None:
+            counts["dropped_no_response"] += 1
+        elif phase == 2 and (ex.chosen is None or ex.rejected is None):
+            counts["dropped_not_pairwise"] += 1
+        elif phase == 2 and ex.chosen == ex.rejected:
+            counts["dropped_identical_pair"] += 1
+        else:
+            usable.append(ex)
+    prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], special=True)
+    rows: list[dict[str, Any]] = []
+    if phase == 3:
+        keep = data.max_prompt_seq_len
+        bos = tokenizer.bos_token_id
+        for ex, ids in zip(usable, prompts, strict=True):
+            if len(ids) > keep:
+                counts["truncated_prompt"] += 1
+                # Keep the end of the prompt, where the question and 'Assistant:' are (left truncation).
+                head = [bos] if bos is not None and ids[0] == bos else []
+                ids = head + ids[len(ids) - (keep - len(head)):]
+            rows.append({"prompt_input_ids": ids, "answer": ex.answer, "where": ex.where,
+                         "extra": _jsonable(ex.extra)})
+        return rows
+    chosen = _encode(tokenizer, [render_answer(ex.prompt, ex.chosen or "", tokenizer) for ex in usable], False)
+    rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer) for ex in usable], False)
+                if phase == 2 else [[]] * len(usable))
+    for ex, p, c, x in zip(usable, prompts, chosen, rejected, strict=True):
+        c_ids, x_ids = p + c + [eos], p + x + [eos]
+        if not c:
+            counts["dropped_empty"] += 1
+            continue
+        if len(c_ids) > data.max_seq_len or (phase == 2 and len(x_ids) > data.max_seq_len):
+            counts["dropped_too_long"] += 1
+            continue
+        if phase == 1:
+            labels = ([-100] * len(p) + c + [eos]) if data.mask_prompt else list(c_ids)
+            rows.append({"input_ids": c_ids, "labels": labels})
+        else:
+            if c_ids == x_ids:  # different strings can still tokenize alike
+                counts["dropped_identical_pair"] += 1
+                continue
+            row = {"chosen_input_ids": c_ids, "rejected_input_ids": x_ids}
+            margin = ex.extra.get("margin")
+            if isinstance(margin, int | float):
+                row["margin"] = float(margin)
+            rows.append(row)
+    return rows
+
+
+def _jsonable(extra: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in extra.items() if isinstance(v, str | int | float | bool | list | dict | type(None))}
+
+
+def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list[DataSpec]) -> str:
+    return stable_hash({
+        "v": CACHE_VERSION, "phase": phase, "seed": seed, "split": data.data_split,
+        "sources": [[s.name, s.weight, source_fingerprint(s)] for s in specs],
+        "max_seq_len": data.max_seq_len, "max_prompt_seq_len": data.max_prompt_seq_len,
+        "eval_fraction": data.eval_fraction, "max_eval_rows": data.max_eval_rows,
+        "mask_prompt": data.mask_prompt, "tokenizer": tokenizer_fingerprint(tokenizer),
+    }, n=24)
+
+
+def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
+               log: Any = print) -> PhaseData:
+    """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk."""
+    import torch
+
+    split = parse_split(data.data_split)
+    specs = [DataSpec.parse(d) for d in data.data] if data.data else demo_sources()
+    cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
+    key = cache_key(data, phase, tokenizer, seed, specs)
+    cache_file = cache_dir / f"phase{phase}-{key}.pt"
+    if use_cache and all(source_fingerprint(s) is not None for s in specs) and cache_file.exists():
+        try:
+            blob = torch.load(cache_file, weights_only=False)
+            log(f"data: phase {phase} from cache {cache_file}")
+            return PhaseData(**blob)
+        except Exception:  # noqa: BLE001 - a corrupt cache is rebuilt, never trusted
+            pass
+    if split[phase - 1] == 0:
+        raise UserError(f"--data-split {data.data_split} gives train phase {phase} no rows")
+    counts: Counter[str] = Counter()
+    train: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    sources = []
+    for spec in specs:
+        raw = load_source(spec)
+        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data)
+        counts.update(c)
+        before = len(train)
+        train += tokenize_examples(tr, phase, tokenizer, data, counts)
+        evals += tokenize_examples(ev, phase, tokenizer, data, counts)
+        sources.append({"name": raw.name, "format": fmt, "rows": len(raw.train),
+                        "test_rows": len(raw.test) if raw.test is not None else 0,
+                        "train_rows": len(train) - before, "weight": spec.weight})
+        log(f"data: {raw.name}: {len(raw.train)} rows, format {fmt}, phase {phase} train rows {len(train) - before}")
+    if not train:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no rows in this phase's part"
+        raise UserError(f"train phase {phase} has no usable rows after filtering ({reasons}); check --data, "
+                        f"--data-split and --max-seq-len")
+    counts["train_rows"] = len(train)
+    counts["eval_rows"] = len(evals)
+    result = PhaseData(phase, train, evals, dict(counts), sources)
+    if use_cache:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{id(result)}")
+        torch.save(result.__dict__, tmp)
+        tmp.replace(cache_file)
+    return result

@@ -1,0 +1,198 @@
+"""Loading raw rows from ``--data`` sources: local files, ``save_to_disk`` folders, registered names.
+
+Every row carries where it came from (``file.jsonl:12`` or ``name[train]#5``) so that a bad row is reported by
+file and line. Nothing here tokenizes; see ``dschat.data.phases``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dschat.errors import UserError
+
+WHERE = "__where__"  # key added to every raw row: its file and line (or split and index)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """One ``--data`` argument: ``name[:weight]``."""
+
+    name: str
+    weight: float = 1.0
+
+    @staticmethod
+    def parse(text: str) -> DataSpec:
+        m = re.fullmatch(r"(.+?):(\d+(?:\.\d*)?|\.\d+)", text)
+        if m and not os.path.exists(text):
+            name, weight = m.group(1), float(m.group(2))
+        else:
+            name, weight = text, 1.0
+        if not name:
+            raise UserError(f"--data {text!r}: empty dataset name")
+        if weight < 0:
+            raise UserError(f"--data {text!r}: weight must be >= 0")
+        return DataSpec(name, weight)
+
+
+@dataclass
+class RawDataset:
+    """Rows of one source: its train rows and, when the source has one, its own test split."""
+
+    name: str
+    train: list[dict[str, Any]]
+    test: list[dict[str, Any]] | None
+    fingerprint: Any = field(default=None)
+
+
+def _file_fingerprint(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            row[WHERE] = f"{path}:{lineno}"
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        # A ".json" file that is really JSON Lines is common; try that before giving up.
+        if e.msg == "Extra data":
+            return _read_jsonl(path)
+        raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise UserError(f"{path}: expected a list of rows (or an object holding one list of rows)")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a list of rows")
+    rows = []
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: row {i}: expected a JSON object, got {type(row).__name__}")
+        row = dict(row)
+        row[WHERE] = f"{path}[{i}]"
+        rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure is the file's fault here
+        raise UserError(f"{path}: cannot read parquet ({str(e).splitlines()[0]})") from None
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        row[WHERE] = f"{path}#{i}"
+    return rows
+
+
+def _hf_rows(ds: Any, label: str) -> list[dict[str, Any]]:
+    rows = ds.to_list()
+    for i, row in enumerate(rows):
+        row[WHERE] = f"{label}#{i}"
+    return rows
+
+
+def _from_dataset_dict(name: str, dd: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    splits = dict(dd.items()) if hasattr(dd, "items") else {"train": dd}
+    train_key = "train" if "train" in splits else next(iter(splits))
+    test_key = next((k for k in ("test", "validation", "valid", "eval") if k in splits), None)
+    train = _hf_rows(splits[train_key], f"{name}[{train_key}]")
+    test = _hf_rows(splits[test_key], f"{name}[{test_key}]") if test_key else None
+    return train, test
+
+
+def _folder_fingerprint(path: Path) -> list[Any]:
+    out = []
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            out.append([str(p.relative_to(path)), st.st_size, st.st_mtime_ns])
+    return [str(path.resolve()), out]
+
+
+def load_source(spec: DataSpec) -> RawDataset:
+    """Read every row of one source. Errors name the file and line; an absent name says why it cannot load."""
+    path = Path(spec.name).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            rows = _read_jsonl(path)
+        elif suffix == ".json":
+            rows = _read_json(path)
+        elif suffix == ".parquet":
+            rows = _read_parquet(path)
+        else:
+            raise UserError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .json, .parquet or a "
+                            "save_to_disk folder)")
+        return RawDataset(str(path), rows, None, _file_fingerprint(path))
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            import datasets
+
+            try:
+                dd = datasets.load_from_disk(str(path))
+            except Exception as e:  # noqa: BLE001
+                raise UserError(f"{path}: cannot load saved dataset ({str(e).splitlines()[0]})") from None
+            train, test = _from_dataset_dict(str(path), dd)
+            return RawDataset(str(path), train, test, _folder_fingerprint(path))
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in (".jsonl", ".json", ".parquet"))
+        split_files = {p.stem.split("-")[0].lower(): p for p in files}
+        if "train" in split_files:
+            train = load_source(DataSpec(str(split_files["train"]))).train
+            test_path = next((split_files[k] for k in ("test", "validation", "eval") if k in split_files), None)
+            test = load_source(DataSpec(str(test_path))).train if test_path else None
+            return RawDataset(str(path), train, test, _folder_fingerprint(path))
+        raise UserError(f"{path}: folder is neither a save_to_disk dataset nor holds train.jsonl/.json/.parquet")
+    if spec.name.startswith((".", "/", "~")) or spec.name.endswith((".jsonl", ".json", ".parquet")):
+        raise UserError(f"{spec.name}: file not found")
+    return _load_registered(spec.name)
+
+
+def _load_registered(name: str) -> RawDataset:
+    """A hub dataset name, served from the local HF cache (no download when offline)."""
+    import datasets
+
+    try:
+        dd = datasets.load_dataset(name)
+    except Exception as e:  # noqa: BLE001 - any failure here means "not available locally"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"dataset {name!r} is not a local file or folder and could not be loaded from the HF "
+                        f"cache (offline?): {first[:200]}") from None
+    train, test = _from_dataset_dict(name, dd)
+    fp: Any = [name, getattr(dd, "cache_files", None) and str(dd.cache_files)]
+    return RawDataset(name, train, test, fp)
+
+
+def source_fingerprint(spec: DataSpec) -> Any:
+    """What identifies a source's content cheaply (paths, sizes, mtimes), for the tokenized cache key."""
+    path = Path(spec.name).expanduser()
+    if path.is_file():
+        return _file_fingerprint(path)
+    if path.is_dir():
+        return _folder_fingerprint(path)
+    return None  # registered names: fingerprinted after loading (from the HF cache files)

@@ -1,0 +1,308 @@
+"""The one module that talks to DeepSpeed and ``torch.distributed``.
+
+Everything distributed goes through here: process-group set-up (gloo on CPU, nccl on CUDA; a single process
+needs no launcher), DeepSpeed configs, training and inference engines, ZeRO-3 parameter gathering, collective
+helpers and rank queries. Other modules call these functions and never import deepspeed themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from dschat.config import EngineArgs, OptimArgs
+
+deepspeed.utils.logger.setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------------------------- process group
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def setup_distributed() -> None:
+    """Join (or create) the process group. Without a launcher this is a world of one on a free local port."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed() and world_size() > 1:
+        dist.barrier()
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (returns a new tensor; the input is untouched)."""
+    out = t.detach().clone()
+    if is_distributed() and world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(t) / world_size()
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    out = t.detach().clone()
+    if is_distributed() and world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from ``src`` to every rank."""
+    if not (is_distributed() and world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not (is_distributed() and world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. to build a cache); the others run it after, reading what it wrote."""
+    if not is_main():
+        barrier()
+    yield
+    if is_main():
+        barrier()
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` is fp32 on CPU (no fast half-precision kernels there) and bf16, else fp16, on CUDA."""
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def ds_config(*, micro_batch: int, grad_accum: int, zero_stage: int, offload: bool, dtype: torch.dtype,
+              max_grad_norm: float = 0.0, optim: OptimArgs | None = None, lr: float | None = None,
+              inference: bool = False) -> dict[str, Any]:
+    """A DeepSpeed config for one model. ``inference`` builds a frozen (eval-only) engine: no optimizer."""
+    if zero_stage not in (0, 1, 2, 3):
+        from dschat.errors import UserError
+
+        raise UserError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3:
+        zero.update({
+            "stage3_param_persistence_threshold": 1e4,
+            "stage3_max_live_parameters": 3e7,
+            "stage3_prefetch_bucket_size": 3e7,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+        if offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload and not inference and zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size(),
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == torch.bfloat16:
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == torch.float16:
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 100}
+    if not inference:
+        if max_grad_norm > 0:
+            cfg["gradient_clipping"] = max_grad_norm
+        if optim is not None:
+            params: dict[str, Any] = {
+                "lr": lr if lr is not None else optim.learning_rate,
+                "betas": [optim.adam_beta1, optim.adam_beta2],
+                "eps": 1e-8,
+                "weight_decay": optim.weight_decay,
+            }
+            # torch's AdamW needs no JIT-compiled op; ZeRO-Offload requires DeepSpeed's CPU Adam.
+            if not (offload and zero_stage > 0):
+                params["torch_adam"] = True
+                params["adam_w_mode"] = True
+            cfg["optimizer"] = {"type": "AdamW", "params": params}
+    return cfg
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: no decay on biases and normalisation weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, kind: str) -> Any:
+    """Multiplier of the peak learning rate at each optimizer step: linear warmup, then cosine/linear/constant."""
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def warmup_steps_for(optim: OptimArgs, total_steps: int) -> int:
+    if optim.num_warmup_steps is not None:
+        return optim.num_warmup_steps
+    return int(round(optim.warmup_ratio * total_steps))
+
+
+# ------------------------------------------------------------------------------------------------ engines
+Engine = Any  # deepspeed.DeepSpeedEngine; kept opaque so callers need not import deepspeed
+
+
+def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: OptimArgs, dtype: torch.dtype,
+                       total_steps: int, lr: float | None = None, micro_batch: int | None = None,
+                       grad_accum: int | None = None) -> Engine:
+    """A trainable DeepSpeed engine: AdamW (weight decay split), warmup + schedule, clipping, accumulation."""
+    config = ds_config(micro_batch=micro_batch or optim.per_device_train_batch_size,
+                       grad_accum=grad_accum or optim.gradient_accumulation_steps,
+                       zero_stage=engine.zero_stage, offload=engine.offload, dtype=dtype,
+                       max_grad_norm=optim.max_grad_norm, optim=optim, lr=lr)
+    warmup = warmup_steps_for(optim, total_steps)
+    schedule = lr_lambda(total_steps, warmup, optim.lr_scheduler_type)
+    eng, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=optimizer_groups(model, optim.weight_decay),
+        config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+    )
+    return eng
+
+
+def build_eval_engine(model: torch.nn.Module, *, zero_stage: int, offload: bool, dtype: torch.dtype,
+                      micro_batch: int = 1) -> Engine:
+    """A frozen engine (reference / reward model). ZeRO-3 shards it; lower stages simply place it."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if zero_stage == 3:
+        config = ds_config(micro_batch=micro_batch, grad_accum=1, zero_stage=3, offload=offload, dtype=dtype,
+                           inference=True)
+        eng, *_ = deepspeed.initialize(model=model, config=config)
+        eng.eval()
+        return eng
+    model.to(device="cpu" if offload else device(), dtype=dtype)
+    model.eval()
+    return model
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """The plain module inside an engine (or the module itself)."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+
+
+def zero_stage_of(model: Any) -> int:
+    fn = getattr(model, "zero_optimization_stage", None)
+    return int(fn()) if callable(fn) else 0
+
+
+def is_zero3_partitioned(module: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: torch.nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    """Materialise every ZeRO-3 partitioned parameter of ``module`` for the block; a no-op otherwise.
+
+    One gather for the whole block: wrap a whole ``generate`` call, never a per-token step.
+    """
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """A complete CPU state dict of the module (gathering ZeRO-3 shards). Call on every rank; use on rank 0."""
+    module = unwrap(model)
+    state: dict[str, torch.Tensor] = {}
+    if is_zero3_partitioned(module):
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                if is_main():
+                    state[name] = param.data.detach().cpu().clone()
+        for name, buf in module.named_buffers():
+            if is_main():
+                state[name] = buf.detach().cpu().clone()
+        return state
+    if is_main():
+        state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return state
+
+
+def zero3_init_context(config: dict[str, Any]) -> Any:
+    """Keep the returned object alive while loading a model so ``from_pretrained`` partitions it (ZeRO-3)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(config)

@@ -1,0 +1,209 @@
+"""Model resolution and builders: causal LMs (actor/reference/SFT) and reward models (reward/critic).
+
+``resolve_model`` turns ``--model`` into a local folder: a folder as given, an alias (``chinese-llama-2-7b``), a
+HF id found in the local cache, or the preset ``tiny`` (a small Llama with the demo tokenizer, materialised once
+into the dschat cache). Offline and absent gives one clear line, never a download attempt that hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dschat.errors import UserError
+from dschat.utils import atomic_dir, cache_root, stable_hash
+
+ALIASES: dict[str, str] = {
+    "chinese-llama-2-7b": "hfl/chinese-llama-2-7b",
+    "chinese-llama-2-13b": "hfl/chinese-llama-2-13b",
+    "chinese-llama-2-1.3b": "hfl/chinese-llama-2-1.3b",
+    "chinese-alpaca-2-7b": "hfl/chinese-alpaca-2-7b",
+    "chinese-alpaca-2-1.3b": "hfl/chinese-alpaca-2-1.3b",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama-2-7b-chat": "meta-llama/Llama-2-7b-chat-hf",
+    "opt-125m": "facebook/opt-125m",
+    "opt-350m": "facebook/opt-350m",
+    "opt-1.3b": "facebook/opt-1.3b",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-0.5b-instruct": "Qwen/Qwen2.5-0.5B-Instruct",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "gpt2": "openai-community/gpt2",
+}
+
+TINY = "tiny"
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def tiny_model_dir() -> Path:
+    """Materialise the ``tiny`` preset (config, seeded weights, demo tokenizer) once; return its folder."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from dschat.demo.model import tiny_model_config
+    from dschat.demo.tokenizer import TOKENIZER_MODEL_PATH, save_tiny_tokenizer
+
+    # The folder name covers everything that shapes the preset, so a changed tokenizer or config never
+    # reuses a stale folder.
+    digest = stable_hash([hashlib.sha256(Path(TOKENIZER_MODEL_PATH).read_bytes()).hexdigest(),
+                          inspect.getsource(tiny_model_config), "v1"])
+    final = cache_root() / f"tiny-{digest}"
+    if (final / "config.json").exists():
+        return final
+    _quiet_transformers()
+    with atomic_dir(final) as tmp:
+        save_tiny_tokenizer(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        config = tiny_model_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        gen = torch.random.get_rng_state()
+        torch.manual_seed(0)  # the preset's weights are the same everywhere
+        model = LlamaForCausalLM(config)
+        torch.random.set_rng_state(gen)
+        model.save_pretrained(tmp)
+    return final
+
+
+def resolve_model(name: str) -> str:
+    """A local folder for ``--model``: folder, alias, HF cache, or the ``tiny`` preset."""
+    if name == TINY:
+        return str(tiny_model_dir())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UserError(f"{path}: not a model folder (no config.json)")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"{name}: model folder not found")
+    repo = ALIASES.get(name.lower(), name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the cache; maybe downloadable
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    hint = f" (alias of {repo})" if repo != name else ""
+    if not offline:
+        try:
+            return snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                           "*.py", "*.tiktoken", "*.jinja"])
+        except Exception as e:  # noqa: BLE001
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UserError(f"model {name!r}{hint} is not a local folder nor in the HF cache, and downloading "
+                            f"it failed: {reason}") from None
+    raise UserError(f"model {name!r}{hint} is not a local folder nor in the HF cache, and HF_HUB_OFFLINE is set; "
+                    f"download it first (huggingface-cli download {repo}) or pass a local path")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, with a pad token guaranteed (EOS when it has none: masks, not ids, mark padding)."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"{path}: cannot load tokenizer ({str(e).strip().splitlines()[0][:200]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def _apply_dropout(config: Any, dropout: float | None) -> None:
+    if dropout is None:
+        return
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+            setattr(config, key, dropout)
+
+
+def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                     gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _apply_dropout(config, dropout)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+class RewardModel(nn.Module):
+    """LM backbone + ``v_head = Linear(hidden, 1, bias=False)``: per-token values and end scores.
+
+    It wraps the family's ``*ForSequenceClassification`` (whose ``score`` layer is the v_head), so the saved
+    folder loads with ``AutoModelForSequenceClassification`` and scores the same sequences the same way.
+    """
+
+    def __init__(self, seq_cls: nn.Module):
+        super().__init__()
+        self.model = seq_cls
+        self.config = seq_cls.config
+
+    @property
+    def v_head(self) -> nn.Linear:
+        return self.model.score
+
+    @property
+    def backbone(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token values ``(B, T)``."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
+        return self.v_head(hidden).squeeze(-1).float()
+
+    @staticmethod
+    def end_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Value at each row's last real token, found from the mask (pad may equal EOS). ``(B, T) -> (B,)``."""
+        from dschat.losses import end_indices
+
+        idx = end_indices(attention_mask)
+        return values.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                        gradient_checkpointing: bool = False, pad_token_id: int | None = None,
+                        trust_remote_code: bool = False) -> RewardModel:
+    """A reward/critic model from a causal-LM folder (fresh v_head) or a saved reward model (trained v_head)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _apply_dropout(config, dropout)
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    try:
+        seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                     trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(f"{path}: this model family has no sequence-classification head in transformers "
+                        f"({str(e).splitlines()[0][:120]})") from None
+    if gradient_checkpointing:
+        seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        seq_cls.config.use_cache = False
+    return RewardModel(seq_cls)
+
+
+def hf_model(module: nn.Module) -> tuple[Any, str]:
+    """The HF ``PreTrainedModel`` to ``save_pretrained`` and the state-dict prefix to strip to reach it."""
+    if isinstance(module, RewardModel):
+        return module.model, "model."
+    return module, ""

@@ -1,0 +1,86 @@
+"""What every stage does the same way: output folder, seeding, process group, loaders, step counting."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dschat import engine as E
+from dschat.config import OptimArgs, RunArgs, to_flat_dict
+from dschat.errors import UserError
+from dschat.models import TINY
+from dschat.utils import set_seed, write_json
+
+TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
+DEFAULT_LR = 1e-5
+
+
+@dataclass
+class Stage:
+    name: str
+    output_dir: Path
+
+    def log(self, text: str) -> None:
+        if E.is_main():
+            print(f"[{self.name}] {text}", file=sys.stderr, flush=True)
+
+
+def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
+    """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json."""
+    run: RunArgs = cfg.run
+    out = Path(run.output_dir or default_output).expanduser()
+    if (out / "eval.json").exists() and not (run.force or run.resume):
+        raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it or "
+                        "choose another --output-dir")
+    E.setup_distributed()
+    set_seed(run.seed)
+    stage = Stage(name, out)
+    if E.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "eval.json"):
+            if not run.resume and (out / stale).exists():
+                (out / stale).unlink()
+        write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
+    E.barrier()
+    return stage
+
+
+def learning_rate(optim: OptimArgs, model_name: str) -> float:
+    if optim.learning_rate is not None:
+        return optim.learning_rate
+    return TINY_LR if model_name == TINY else DEFAULT_LR
+
+
+def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> DataLoader:
+    """Shuffled each epoch (call ``loader.sampler.set_epoch``), sharded across ranks."""
+    sampler = DistributedSampler(rows, num_replicas=E.world_size(), rank=E.rank(), shuffle=True, seed=seed,
+                                 drop_last=E.world_size() > 1)
+    return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False)
+
+
+def eval_loader(rows: list[Any], batch_size: int, collator: Any) -> DataLoader:
+    """Each rank evaluates a disjoint strided shard, without padding duplicates: sums over ranks are exact."""
+    shard = rows[E.rank():: E.world_size()]
+    return DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collator)
+
+
+def count_optimizer_steps(batches_per_epoch: int, optim: OptimArgs) -> int:
+    per_epoch = max(1, math.ceil(batches_per_epoch / optim.gradient_accumulation_steps))
+    total = per_epoch * optim.num_train_epochs
+    return min(total, optim.max_steps) if optim.max_steps > 0 else total
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def check_finite(value: float, step: int, what: str = "loss") -> None:
+    if not math.isfinite(value):
+        raise UserError(f"{what} became {value} at step {step}; stopping (lower the learning rate or check the "
+                        "data); the last saved state is kept")

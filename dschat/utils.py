@@ -1,0 +1,79 @@
+"""Small shared helpers: cache location, atomic file and folder writes, seeding, hashing."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def cache_root() -> Path:
+    """``$DSCHAT_CACHE`` or ``~/.cache/dschat``: demo files, the tiny model, tokenized datasets."""
+    root = os.environ.get("DSCHAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dschat")
+    return Path(root)
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """A short hex digest of a JSON-serialisable object (keys sorted)."""
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a file so readers see the old content or the new one, never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``final`` in one rename.
+
+    A crash inside the block leaves ``final`` as it was (old content or absent), never half written.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def set_seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

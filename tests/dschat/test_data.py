@@ -1,0 +1,264 @@
+"""Data core: formats, splits, phases, collators, the tokenized cache, and user errors (SPEC section 2)."""
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from dschat.config import DataArgs
+from dschat.data import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, load_phase
+from dschat.data.formats import (
+    CONV_PAIRWISE,
+    JUDGE,
+    PAIRWISE,
+    PROMPT_ONLY,
+    SFT,
+    detect_format,
+    parse_row,
+)
+from dschat.data.phases import split_indices
+from dschat.data.sources import DataSpec
+from dschat.errors import UserError
+from dschat.models import load_tokenizer, resolve_model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("tiny"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def pairwise_rows(n):
+    return [{"prompt": f"\n\nHuman: 我的订单{i}什么时候到？\n\nAssistant:", "chosen": f" 您好，订单{i}预计明天送达。",
+             "rejected": " 不知道。"} for i in range(n)]
+
+
+def args(paths, **kw):
+    kw.setdefault("data_split", "10,0,0")
+    kw.setdefault("data_cache_dir", "")
+    return DataArgs(data=list(paths), **kw)
+
+
+# ------------------------------------------------------------------------------------------------- splitting
+def test_split_is_disjoint_covering_and_deterministic():
+    parts = [split_indices(101, [2, 4, 4], seed=7, phase=k) for k in (1, 2, 3)]
+    flat = sorted(i for p in parts for i in p)
+    assert flat == list(range(101))  # disjoint and covering
+    # bounds: round(101*0.2)=20, round(101*0.6)=round(60.6)=61, 101 -> parts of 20, 41, 40
+    assert [len(p) for p in parts] == [20, 41, 40]
+    assert parts[0] == split_indices(101, [2, 4, 4], seed=7, phase=1)
+    assert parts[0] != split_indices(101, [2, 4, 4], seed=8, phase=1)
+
+
+def test_split_all_to_phase_one():
+    assert sorted(split_indices(10, [10, 0, 0], 0, 1)) == list(range(10))
+    assert split_indices(10, [10, 0, 0], 0, 2) == []
+
+
+def test_data_spec_weight():
+    assert DataSpec.parse("a.jsonl:0.5") == DataSpec("a.jsonl", 0.5)
+    assert DataSpec.parse("Dahoas/rm-static") == DataSpec("Dahoas/rm-static", 1.0)
+    assert DataSpec.parse("Dahoas/rm-static:2") == DataSpec("Dahoas/rm-static", 2.0)
+
+
+# --------------------------------------------------------------------------------------------------- formats
+@pytest.mark.parametrize("row,fmt", [
+    ({"prompt": "p", "chosen": "c", "rejected": "r"}, PAIRWISE),
+    ({"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: hi\n\nAssistant: b"}, PAIRWISE),
+    ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}, CONV_PAIRWISE),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, CONV_PAIRWISE),
+    ({"prompt": "p", "response": "r"}, SFT),
+    ({"prompt": "p", "completion": "r"}, SFT),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, SFT),
+    ({"INSTRUCTION": "q", "RESPONSE": "a"}, SFT),
+    ({"prompt": "p", "answer": "42"}, PROMPT_ONLY),
+    ({"context_messages": [{"role": "user", "content": "q"}], "winner": "model_a"}, JUDGE),
+])
+def test_detect_format(row, fmt):
+    assert detect_format(row) == fmt
+
+
+def test_hh_rlhf_rows_split_at_last_assistant_turn():
+    ex = parse_row({"chosen": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: again\n\nAssistant: good",
+                    "rejected": "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: again\n\nAssistant: bad"}, PAIRWISE)
+    assert ex.prompt == "\n\nHuman: hi\n\nAssistant: yo\n\nHuman: again\n\nAssistant:"
+    assert (ex.chosen, ex.rejected) == (" good", " bad")
+
+
+def test_conversational_pairwise_shared_prefix():
+    q = [{"role": "user", "content": "物流到哪了"}]
+    ex = parse_row({"chosen": q + [{"role": "assistant", "content": "已发货"}],
+                    "rejected": q + [{"role": "assistant", "content": "不知道"}]}, CONV_PAIRWISE)
+    assert ex.prompt == q and ex.chosen == "已发货" and ex.rejected == "不知道"
+
+
+def test_missing_field_names_file_line_and_field(tmp_path, tok):
+    rows = pairwise_rows(3)
+    del rows[2]["rejected"]
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: missing field 'rejected'"):
+        load_phase(args([path]), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+
+
+def test_malformed_json_names_line(tmp_path, tok):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"broken\.jsonl:2: malformed JSON"):
+        load_phase(args([str(path)]), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+
+
+def test_missing_file_and_unknown_dataset(tok):
+    with pytest.raises(UserError, match="nope.jsonl: file not found"):
+        load_phase(args(["nope.jsonl"]), 1, tok, seed=0, log=lambda _: None)
+    with pytest.raises(UserError, match="could not be loaded from the HF cache"):
+        load_phase(args(["no-such-owner/no-such-set"]), 1, tok, seed=0, log=lambda _: None)
+
+
+def test_phase_without_rows_is_a_clear_error(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", pairwise_rows(10))
+    with pytest.raises(UserError, match="gives train phase 2 no rows"):
+        load_phase(args([path], data_split="10,0,0"), 2, tok, seed=0, log=lambda _: None)
+
+
+def test_empty_after_filtering_is_a_clear_error(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "1"}] * 5)
+    with pytest.raises(UserError, match="no usable rows.*dropped_no_response=5"):
+        load_phase(args([path], eval_fraction=0.0), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+
+
+# ---------------------------------------------------------------------------------------------------- phases
+def test_phase1_masks_prompt_and_ends_with_eos(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", pairwise_rows(20))
+    pd = load_phase(args([path], eval_fraction=0.1), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    assert pd.counts["train_rows"] == 18 and pd.counts["eval_rows"] == 2
+    row = pd.train[0]
+    n_prompt = sum(1 for x in row["labels"] if x == -100)
+    i = re.search(r"订单(\d+)", tok.decode(row["input_ids"])).group(1)
+    prompt_ids = tok(f"\n\nHuman: 我的订单{i}什么时候到？\n\nAssistant:")["input_ids"]
+    assert row["input_ids"][:n_prompt] == prompt_ids
+    assert row["input_ids"][-1] == tok.eos_token_id and row["labels"][-1] == tok.eos_token_id
+    assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:]
+    assert "预计明天送达" in tok.decode(row["input_ids"][n_prompt:])
+    unmasked = load_phase(args([path], eval_fraction=0.1, mask_prompt=False), 1, tok, seed=0, use_cache=False,
+                          log=lambda _: None)
+    assert all(x != -100 for x in unmasked.train[0]["labels"])
+
+
+def test_phase2_drops_identical_and_too_long(tmp_path, tok):
+    rows = pairwise_rows(10)
+    rows[0]["rejected"] = rows[0]["chosen"]  # identical pair
+    rows[1]["chosen"] = " 好" * 400  # too long
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    pd = load_phase(args([path], data_split="0,1,0", eval_fraction=0.0), 2, tok, seed=0, use_cache=False,
+                    log=lambda _: None)
+    assert pd.counts["dropped_identical_pair"] == 1
+    assert pd.counts["dropped_too_long"] == 1
+    assert pd.counts["train_rows"] == 8
+    row = pd.train[0]
+    assert row["chosen_input_ids"] != row["rejected_input_ids"]
+    assert row["chosen_input_ids"][-1] == tok.eos_token_id == row["rejected_input_ids"][-1]
+
+
+def test_phase3_left_truncates_long_prompts(tmp_path, tok):
+    rows = [{"prompt": "很长的问题" * 80 + "\n\nAssistant:", "answer": "7"}, {"prompt": "短问题\n\nAssistant:"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    pd = load_phase(args([path], data_split="0,0,1", eval_fraction=0.0, max_prompt_seq_len=32), 3, tok, seed=0,
+                    use_cache=False, log=lambda _: None)
+    assert pd.counts["truncated_prompt"] == 1
+    long = next(r for r in pd.train if r["answer"] == "7")
+    assert len(long["prompt_input_ids"]) == 32
+    assert tok.decode(long["prompt_input_ids"]).rstrip().endswith("Assistant:")  # the end is kept
+
+
+def test_weights_scale_rows(tmp_path, tok):
+    a = write_jsonl(tmp_path / "a.jsonl", pairwise_rows(10))
+    pd = load_phase(args([a + ":2"], eval_fraction=0.0), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    assert pd.counts["train_rows"] == 20
+    pd = load_phase(args([a + ":0.5"], eval_fraction=0.0), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    assert pd.counts["train_rows"] == 5
+
+
+def test_cache_hit_and_invalidation_on_change(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, pairwise_rows(10))
+    cfg = args([str(path)], data_cache_dir=str(tmp_path / "cache"), eval_fraction=0.0)
+    msgs = []
+    first = load_phase(cfg, 1, tok, seed=0, log=msgs.append)
+    second = load_phase(cfg, 1, tok, seed=0, log=msgs.append)
+    assert any("from cache" in m for m in msgs) and second.train == first.train
+    time.sleep(0.01)
+    write_jsonl(path, pairwise_rows(12))  # changed content (size and mtime)
+    msgs.clear()
+    third = load_phase(cfg, 1, tok, seed=0, log=msgs.append)
+    assert not any("from cache" in m for m in msgs)
+    assert third.counts["train_rows"] == 12
+    # the same size but a new mtime also invalidates
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    msgs.clear()
+    load_phase(cfg, 1, tok, seed=0, log=msgs.append)
+    assert not any("from cache" in m for m in msgs)
+
+
+def test_every_format_loads_for_phase1(tmp_path, tok):
+    q = [{"role": "user", "content": "发票怎么开？"}]
+    files = {
+        "pairwise.jsonl": [{"prompt": "\n\nHuman: 退款多久到账？\n\nAssistant:", "chosen": " 一般三个工作日。",
+                            "rejected": " 不清楚。"}],
+        "conv.jsonl": [{"chosen": q + [{"role": "assistant", "content": "在订单页申请电子发票。"}],
+                        "rejected": q + [{"role": "assistant", "content": "自己看。"}]}],
+        "sft.json": [{"prompt": "Where is my parcel?", "completion": " It ships today."}],
+        "msgs.jsonl": [{"messages": q + [{"role": "assistant", "content": "可以开具。"}]}],
+    }
+    for name, rows in files.items():
+        p = tmp_path / name
+        if name.endswith(".json"):
+            p.write_text(json.dumps(rows * 4, ensure_ascii=False), encoding="utf-8")
+        else:
+            write_jsonl(p, rows * 4)
+        pd = load_phase(args([str(p)], eval_fraction=0.0), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+        assert pd.counts["train_rows"] == 4, name
+
+
+def test_parquet_and_save_to_disk(tmp_path, tok):
+    import datasets
+
+    ds = datasets.Dataset.from_list(pairwise_rows(8))
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    pd = load_phase(args([str(tmp_path / "d.parquet")], eval_fraction=0.0), 1, tok, seed=0, use_cache=False,
+                    log=lambda _: None)
+    assert pd.counts["train_rows"] == 8
+    datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list(pairwise_rows(3))}).save_to_disk(
+        str(tmp_path / "saved"))
+    pd = load_phase(args([str(tmp_path / "saved")]), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    assert pd.counts["train_rows"] == 8 and pd.counts["eval_rows"] == 3  # the dataset's own test split
+
+
+# ------------------------------------------------------------------------------------------------ collators
+def test_collators_pad_dynamically_on_the_right_side():
+    sft = DataCollatorSFT(pad_token_id=0)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+                                           {"input_ids": [5], "labels": [5]}])
+    assert sft["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    assert sft["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert sft["labels"].tolist() == [[-100, 6, 7], [5, -100, -100]]
+
+    rm = DataCollatorReward(pad_token_id=2)([
+        {"chosen_input_ids": [1, 4, 2], "rejected_input_ids": [1, 5]},
+        {"chosen_input_ids": [1, 6], "rejected_input_ids": [1, 7, 8, 2]},
+    ])
+    # B chosen first, then B rejected; pad id equals EOS (2) here, the mask tells them apart
+    assert rm["input_ids"].tolist() == [[1, 4, 2, 2], [1, 6, 2, 2], [1, 5, 2, 2], [1, 7, 8, 2]]
+    assert rm["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+    rl = DataCollatorRLHF(pad_token_id=0)([{"prompt_input_ids": [1, 2, 3], "answer": "7"},
+                                           {"prompt_input_ids": [1, 9]}])
+    assert rl["prompt"].tolist() == [[1, 2, 3], [0, 1, 9]]  # left padded: generation starts aligned
+    assert rl["prompt_att_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert rl["answer"] == ["7", None]
