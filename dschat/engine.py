@@ -222,12 +222,15 @@ Engine = Any  # deepspeed.DeepSpeedEngine; kept opaque so callers need not impor
 
 def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: OptimArgs, dtype: torch.dtype,
                        total_steps: int, lr: float | None = None, micro_batch: int | None = None,
-                       grad_accum: int | None = None) -> Engine:
+                       grad_accum: int | None = None, hybrid_engine: dict[str, Any] | None = None) -> Engine:
     """A trainable DeepSpeed engine: AdamW (weight decay split), warmup + schedule, clipping, accumulation."""
     config = ds_config(micro_batch=micro_batch or optim.per_device_train_batch_size,
                        grad_accum=grad_accum or optim.gradient_accumulation_steps,
                        zero_stage=engine.zero_stage, offload=engine.offload, dtype=dtype,
                        max_grad_norm=optim.max_grad_norm, optim=optim, lr=lr)
+    if hybrid_engine:  # DeepSpeed's hybrid engine (CUDA only): inference kernels for the actor's generate
+        config["hybrid_engine"] = {"enabled": True, "inference_tp_size": 1, "release_inference_cache": False,
+                                   "pin_parameters": True, "tp_gather_partition_size": 8, **hybrid_engine}
     warmup = warmup_steps_for(optim, total_steps)
     schedule = lr_lambda(total_steps, warmup, optim.lr_scheduler_type)
     eng, _, _, _ = deepspeed.initialize(

@@ -72,13 +72,22 @@ def split_indices(n: int, split: list[float], seed: int, phase: int) -> list[int
 
 def demo_sources() -> list[DataSpec]:
     """The embedded demo corpus, written once into the cache (deterministic, so any rank may write it)."""
-    from dschat.demo import write_demo_files
+    return [DataSpec(str(demo_files()["pairwise"]))]
 
-    folder = cache_root() / "demo"
-    path = folder / "pairwise.jsonl"
-    if not path.exists():
-        write_demo_files(folder)
-    return [DataSpec(str(path))]
+
+def demo_files() -> dict[str, Path]:
+    """The demo files (pairwise, prompts, judge), in a cache folder keyed by the generator's source, so an
+    edited corpus never reuses stale files."""
+    import hashlib
+
+    from dschat.demo import corpus
+
+    digest = hashlib.sha256(Path(corpus.__file__).read_bytes()).hexdigest()[:12]
+    folder = cache_root() / f"demo-{digest}"
+    names = {"pairwise": "pairwise.jsonl", "prompts": "prompts.jsonl", "judge": "judge.jsonl"}
+    if not all((folder / n).exists() for n in names.values()):
+        corpus.write_demo_files(folder)
+    return {k: folder / n for k, n in names.items()}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

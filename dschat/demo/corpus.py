@@ -4,8 +4,9 @@ Three row kinds, all in the formats of SPEC section 2:
 
 - ``generate_pairwise``: rm-static style rows ``{"prompt", "response", "chosen", "rejected"}`` with
   ``prompt = "\\n\\nHuman: <question>\\n\\nAssistant:"`` and answers that start with a space, as in
-  ``Dahoas/rm-static``. About 80% Chinese, 20% English. The chosen answer apologises or acknowledges, names a
-  concrete step, the order number and a time frame; the rejected one is curt, evasive or states a wrong policy.
+  ``Dahoas/rm-static``. About 80% Chinese, 20% English. The chosen answer apologises or acknowledges, then names a
+  concrete step with the order number and/or a time frame; the rejected one is curt, evasive or states a wrong
+  policy.
   The contrast is deliberately stylistic so that a 2-4 layer Llama reward model separates it (>= 95% pairwise
   accuracy) and SFT on ``chosen`` visibly moves a tiny model towards it.
 - ``generate_prompts``: prompt-only rows with a checkable integer ``answer`` (order totals, discounts, refunds)
@@ -23,7 +24,9 @@ transformers).
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -762,9 +765,8 @@ def _pairwise_row(rng: random.Random, english: bool) -> dict[str, str]:
     return {"prompt": format_prompt(question), "response": chosen, "chosen": chosen, "rejected": rejected}
 
 
-def _balanced_flags(rng: random.Random, n: int, true_fraction: float) -> list[bool]:
-    # Exact counts, shuffled: a fraction drawn row by row would wander by a few percent at small n.
-    k = round(n * true_fraction)
+def _balanced_flags(rng: random.Random, n: int, k: int) -> list[bool]:
+    """``k`` True among ``n``, shuffled: a fraction drawn row by row would wander by a few percent at small n."""
     flags = [True] * k + [False] * (n - k)
     rng.shuffle(flags)
     return flags
@@ -773,7 +775,7 @@ def _balanced_flags(rng: random.Random, n: int, true_fraction: float) -> list[bo
 def _pairwise_rows(rng: random.Random, n: int, english_ratio: float) -> list[dict[str, str]]:
     rows: list[dict[str, str]] = []
     seen: set[str] = set()
-    for english in _balanced_flags(rng, n, english_ratio):
+    for english in _balanced_flags(rng, n, round(n * english_ratio)):
         for _ in range(100):  # unique prompts, so a train/eval split never shares a question
             row = _pairwise_row(rng, english)
             if row["prompt"] not in seen and row["chosen"] != row["rejected"]:
@@ -889,7 +891,7 @@ def generate_prompts(
     """
     rng = _stream("prompts", seed)
     rows = []
-    for english in _balanced_flags(rng, n, english_ratio):
+    for english in _balanced_flags(rng, n, round(n * english_ratio)):
         text, ans, work = _arith_problem(rng, english)
         hint = _EN_FORMAT_HINT if english else _ZH_FORMAT_HINT
         row = {"prompt": format_prompt(text + (" " if english else "") + hint), "answer": str(ans)}
@@ -946,7 +948,7 @@ def generate_judge_pairs(
     rng = _stream("judge", seed)
     pairs = _pairwise_rows(rng, n, english_ratio)
     rows: list[dict[str, object]] = []
-    for pair, a_wins in zip(pairs, _balanced_flags(rng, n, 0.5), strict=True):
+    for pair, a_wins in zip(pairs, _balanced_flags(rng, n, n // 2), strict=True):
         question = prompt_question(pair["prompt"])
         english = _is_english(question)
         good, bad = pair["chosen"].strip(), pair["rejected"].strip()
@@ -965,12 +967,23 @@ def generate_judge_pairs(
 
 
 def write_jsonl(rows: Sequence[dict[str, object]], path: str | Path) -> Path:
-    """UTF-8 JSON Lines with ``ensure_ascii=False`` and ``\\n`` line ends, so the bytes depend only on rows."""
+    """UTF-8 JSON Lines with ``ensure_ascii=False`` and ``\\n`` line ends, so the bytes depend only on rows.
+
+    Written to a temporary file and renamed, so a reader (or a concurrent writer of the same rows) never sees a
+    half-written file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8", newline="\n") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

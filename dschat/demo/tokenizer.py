@@ -3,7 +3,7 @@
 ``assets/tokenizer.model`` is built by ``build_tokenizer_model`` from ``corpus.tokenizer_training_text()`` and a
 short line of extra punctuation. Rebuild it after changing the corpus templates or the settings below::
 
-    python -m dschat.demo.tokenizer
+    python -m dschat.demo tokenizer
 
 ``tests/dschat/test_demo.py`` rebuilds it and checks the result equals the shipped file byte for byte (with the
 installed sentencepiece; another sentencepiece version may train a different model).
@@ -170,12 +170,3 @@ def save_tiny_tokenizer(out_dir: str | Path) -> Path:
     # transformers 5 saves only tokenizer.json; keep the sentencepiece model too, for tools that want it.
     shutil.copyfile(TOKENIZER_MODEL_PATH, out / "tokenizer.model")
     return out
-
-
-def main() -> None:
-    path = build_tokenizer_model()
-    print(f"wrote {path} ({path.stat().st_size} bytes, vocab {VOCAB_SIZE})")
-
-
-if __name__ == "__main__":
-    main()

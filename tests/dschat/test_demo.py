@@ -306,7 +306,7 @@ def test_save_pretrained_reloads_identically(tok, tmp_path: Path) -> None:  # ty
 
 
 def test_rebuild_gives_byte_identical_model(tmp_path: Path) -> None:
-    # Fails after a change to the corpus templates: run `python -m dschat.demo.tokenizer` and commit the file.
+    # Fails after a change to the corpus templates: run `python -m dschat.demo tokenizer` and commit the file.
     shipped = TOKENIZER_MODEL_PATH.read_bytes()
     assert build_tokenizer_model_bytes() == shipped
     out = build_tokenizer_model(tmp_path / "sub" / "tokenizer.model")
