@@ -71,3 +71,6 @@ def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str
             click.echo(f"  prompt_att_mask (left-padded): {batch['prompt_att_mask'][i].tolist()}")
             if row.get("answer") is not None:
                 click.echo(f"  answer: {row['answer']!r}")
+
+
+from dschat import eval_cmd  # noqa: E402, F401 - registers `dschat eval` on `main`

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,20 +24,16 @@ deepspeed.utils.logger.setLevel(logging.WARNING)
 
 
 # --------------------------------------------------------------------------------------------- process group
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def setup_distributed() -> None:
     """Join (or create) the process group. Without a launcher this is a world of one on a free local port."""
     if dist.is_available() and dist.is_initialized():
         return
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        # No launcher: a world of one. An in-memory store needs no port, so concurrent runs cannot collide.
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ[key] = value
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())

@@ -164,9 +164,11 @@ class RewardModel(nn.Module):
     def backbone(self) -> nn.Module:
         return getattr(self.model, self.model.base_model_prefix)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token values ``(B, T)``."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token values ``(B, T)``. Pass ``position_ids`` for left-padded rows (see ``positions_from_mask``)."""
+        kwargs = {"position_ids": position_ids} if position_ids is not None else {}
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)[0]
         return self.v_head(hidden).squeeze(-1).float()
 
     @staticmethod

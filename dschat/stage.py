@@ -19,6 +19,9 @@ from dschat.utils import set_seed, write_json
 
 TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
 DEFAULT_LR = 1e-5
+# Below this size a model is a CPU-scale toy (the tiny preset, or a stage output built from it), not a
+# pretrained LLM: 1e-5 would barely move it in a demo-length run.
+SMALL_MODEL_PARAMS = 50_000_000
 
 
 @dataclass
@@ -51,10 +54,14 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     return stage
 
 
-def learning_rate(optim: OptimArgs, model_name: str) -> float:
+def learning_rate(optim: OptimArgs, model_name: str, n_params: int | None = None) -> float:
+    """``--learning-rate`` if given; else the tiny rate for the ``tiny`` preset or any model under
+    ``SMALL_MODEL_PARAMS`` parameters (e.g. a step-1 output of the preset), else ``DEFAULT_LR``."""
     if optim.learning_rate is not None:
         return optim.learning_rate
-    return TINY_LR if model_name == TINY else DEFAULT_LR
+    if model_name == TINY or (n_params is not None and n_params < SMALL_MODEL_PARAMS):
+        return TINY_LR
+    return DEFAULT_LR
 
 
 def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> DataLoader:

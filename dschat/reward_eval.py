@@ -1,0 +1,124 @@
+"""Reward-model evaluation, shared by stage 2 (before, during and after training) and ``dschat eval --step 2``.
+
+A reward model here is anything whose forward maps ``(input_ids, attention_mask)`` of shape ``(N, T)`` to
+per-token values ``(N, T)``: a ``dschat.models.RewardModel`` or a DeepSpeed engine wrapping one. Batches come
+from ``DataCollatorReward``: B chosen rows, then B rejected rows, right-padded.
+
+Metrics (SPEC 4): pairwise accuracy (chosen > rejected, ties count half), mean chosen and rejected end scores,
+mean margin, plus the mean and standard deviation of all end scores (chosen and rejected together), which
+stage 3 uses to normalise rewards. Every metric is a ratio of sums, all-reduced over ranks, so evaluating
+disjoint shards on N ranks gives exactly the single-process numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat.config import DataArgs
+from dschat.data import PhaseData, load_phase
+from dschat.models import RewardModel
+from dschat.stage import to_device
+
+
+@dataclass
+class RewardEval:
+    """Reward-model metrics over an evaluation set (SPEC 4)."""
+
+    accuracy: float  # fraction of pairs with score_c > score_x, ties count half
+    chosen_score: float  # mean end score of the chosen answers
+    rejected_score: float  # mean end score of the rejected answers
+    margin: float  # mean of score_c - score_x
+    score_mean: float  # mean of all 2 * pairs end scores (reward normalisation in stage 3)
+    score_std: float  # population std of the same scores
+    pairs: int
+    ties: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_reward_checkpoint(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model folder holds a trained scoring head (saved as ``*ForSequenceClassification``)."""
+    from transformers import AutoConfig
+
+    archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A ``DataCollatorReward`` batch ``(2B, T)`` -> its chosen half and its rejected half, each ``(B, T)``."""
+    b = batch["input_ids"].size(0) // 2
+    keys = ("input_ids", "attention_mask")
+    return {k: batch[k][:b] for k in keys}, {k: batch[k][b:] for k in keys}
+
+
+def _dummy_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.full((2, 1), pad_token_id, dtype=torch.long),
+            "attention_mask": torch.ones((2, 1), dtype=torch.long)}
+
+
+@torch.no_grad()
+def evaluate_reward(model: Any, loader: Iterable[dict[str, torch.Tensor]], pad_token_id: int = 0) -> RewardEval:
+    """Score every pair of ``loader`` (this rank's shard) and reduce the sums over ranks.
+
+    Under ZeRO-3 every forward is a collective (parameters are gathered layer by layer), so a rank whose shard
+    has fewer batches runs throw-away forwards until every rank has run as many as the longest shard.
+    """
+    was_training = model.training
+    model.eval()
+    dev = E.device()
+    # float64 sums: the std comes from sum and sum of squares, which cancel badly in float32.
+    sums = torch.zeros(7, dtype=torch.float64)  # wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all
+    n_local = 0
+    for batch in loader:
+        batch = to_device(batch, dev)
+        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        scores = RewardModel.end_scores(values, batch["attention_mask"]).double().cpu()  # (2B,)
+        b = scores.numel() // 2
+        c, x = scores[:b], scores[b:]
+        both = torch.cat([c, x])
+        sums += torch.stack([(c > x).double().sum(), (c == x).double().sum(), torch.tensor(b, dtype=torch.float64),
+                             c.sum(), x.sum(), both.sum(), (both**2).sum()])
+        n_local += 1
+    if E.world_size() > 1 and E.is_zero3_partitioned(E.unwrap(model)):
+        n_max = int(E.all_reduce_max(torch.tensor(n_local, device=dev)).item())
+        for _ in range(n_max - n_local):
+            model(**to_device(_dummy_batch(pad_token_id), dev))
+    wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all = E.all_reduce_sum(sums.to(dev)).cpu().tolist()
+    if was_training:
+        model.train()
+    n = max(pairs, 1.0)
+    mean_all = sum_all / max(2 * pairs, 1.0)
+    var_all = max(sumsq_all / max(2 * pairs, 1.0) - mean_all**2, 0.0)
+    return RewardEval(
+        accuracy=(wins + 0.5 * ties) / n,
+        chosen_score=sum_c / n,
+        rejected_score=sum_x / n,
+        margin=(sum_c - sum_x) / n,
+        score_mean=mean_all,
+        score_std=math.sqrt(var_all),
+        pairs=int(pairs),
+        ties=int(ties),
+    )
+
+
+def load_all_pairs(data: list[str], tokenizer: Any, max_seq_len: int,
+                   log: Callable[[str], None] = lambda _: None) -> PhaseData:
+    """Every row of the given pairwise sources as evaluation pairs, in ``.train``; nothing held out.
+
+    Phase 2 of a ``0,1,0`` split with no held-out fraction gives all rows of each file, tokenized and filtered
+    exactly as stage 2 does (identical, empty and over-long pairs dropped and counted). A source with its own
+    test split (a ``save_to_disk`` folder, a registered name) contributes its test rows too.
+    """
+    args = DataArgs(data=list(data), data_split="0,1,0", eval_fraction=0.0, max_eval_rows=0,
+                    max_seq_len=max_seq_len)
+    pd = load_phase(args, 2, tokenizer, seed=0, log=log)
+    rows = pd.train + pd.eval
+    counts = {k: v for k, v in pd.counts.items() if k not in ("train_rows", "eval_rows")}
+    return PhaseData(2, rows, [], {**counts, "pairs": len(rows)}, pd.sources)
