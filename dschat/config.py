@@ -86,8 +86,6 @@ class RunArgs:
     seed: int = arg(1234, "Random seed for data order, splits and initialisation.")
     eval_interval: int = arg(0, "Evaluate every N optimizer steps (0: only before and after training).")
     log_interval: int = arg(1, "Log metrics every N optimizer steps.")
-    save_interval: int = arg(0, "Write a resumable training state every N optimizer steps (0: never).")
-    resume: bool = arg(False, "Continue from the latest complete training state in the output folder.")
     force: bool = arg(False, "Overwrite an output folder that already holds a finished run.")
     progress: bool = arg(True, "Show a progress bar.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher.", hidden=True)

@@ -30,8 +30,10 @@ ALL = ["sft", "rm", "ppo"]
 DEMO_ARGS = {
     "sft": ["--num-train-epochs", "3", "--per-device-train-batch-size", "8"],
     "rm": ["--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
-    "ppo": ["--max-steps", "60", "--max-answer-seq-len", "64", "--per-device-generation-batch-size", "16",
-            "--per-device-training-batch-size", "16", "--max-eval-rows", "128", "--kl-ctl", "0.05"],
+    "ppo": ["--max-steps", "100", "--num-train-epochs", "2", "--max-answer-seq-len", "64",
+            "--per-device-generation-batch-size", "16",
+            "--per-device-training-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
+            "--kl-ctl", "0.05"],
 }
 
 

@@ -38,7 +38,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json."""
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
-    if (out / "eval.json").exists() and not (run.force or run.resume):
+    if (out / "eval.json").exists() and not run.force:
         raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it or "
                         "choose another --output-dir")
     E.setup_distributed()
@@ -47,7 +47,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     if E.is_main():
         out.mkdir(parents=True, exist_ok=True)
         for stale in ("metrics.jsonl", "eval.json"):
-            if not run.resume and (out / stale).exists():
+            if (out / stale).exists():
                 (out / stale).unlink()
         write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
     E.barrier()

@@ -315,7 +315,8 @@ def evaluate(models: Models, hybrid: Any, loader: Any, p: PPOArgs, gen: Generati
     s, k, n, d = (torch.tensor([v for g in gathered for v in g[i]]) for i in range(4))
     count = max(len(s), 1)
     std = s.std().item() if len(s) > 1 else 0.0
-    return {"reward": s.mean().item() if len(s) else float("nan"), "reward_se": std / math.sqrt(count),
+    return {"scores": s.tolist(), "reward": s.mean().item() if len(s) else float("nan"),
+            "reward_se": std / math.sqrt(count),
             "reward_std": std, "kl": k.mean().item() if len(k) else float("nan"),
             "answer_length": n.mean().item() if len(n) else float("nan"),
             "eos_rate": d.mean().item() if len(d) else float("nan"), "eval_prompts": len(s)}
@@ -369,7 +370,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     before = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok) if data.eval else {}
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc="ppo")
     if before:
-        tracker.log(0, {f"eval/{k}": v for k, v in before.items()})
+        tracker.log(0, _eval_scalars(before))
 
     dev = E.device()
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
@@ -413,7 +414,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             tracker.advance(1, reward=reward, kl=kl)
             if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
                 mid = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok)
-                tracker.log(step, {f"eval/{k}": v for k, v in mid.items()})
+                tracker.log(step, _eval_scalars(mid))
             if step >= total_updates:
                 break
         if step >= total_updates:
@@ -421,7 +422,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     after = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok) if data.eval else {}
     if after:
-        tracker.log(step, {f"eval/{k}": v for k, v in after.items()})
+        tracker.log(step, _eval_scalars(after))
     tracker.close()
     save_hf(models.actor, tok, stage.output_dir / "actor")
     save_hf(models.critic, tok, stage.output_dir / "critic")
@@ -431,7 +432,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         "reward_before": before.get("reward"), "reward_after": after.get("reward"),
         "reward_before_se": before.get("reward_se"), "reward_after_se": after.get("reward_se"),
         "reward_gain": (after["reward"] - before["reward"]) if before and after else None,
-        "reward_gain_se": math.hypot(before["reward_se"], after["reward_se"]) if before and after else None,
+        "reward_gain_se": paired_se(before["scores"], after["scores"]) if before and after else None,
         "kl_before": before.get("kl"), "kl_after": after.get("kl"),
         "answer_length_before": before.get("answer_length"), "answer_length_after": after.get("answer_length"),
         "eos_rate_before": before.get("eos_rate"), "eos_rate_after": after.get("eos_rate"),
@@ -444,6 +445,17 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
                       f"{after['reward_se']:.3f} | KL {after['kl']:.3f} | saved {stage.output_dir}")
     return metrics
+
+
+def _eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
+    return {f"eval/{k}": v for k, v in result.items() if k != "scores"}
+
+
+def paired_se(before: list[float], after: list[float]) -> float:
+    """Standard error of the mean reward gain: both evaluations answer the same prompts (with the same sampling
+    seeds), so the per-prompt differences are paired."""
+    diff = torch.tensor(after) - torch.tensor(before)
+    return diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
 
 
 def _check_finite(value: float, step: int, name: str) -> None:

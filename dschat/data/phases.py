@@ -250,8 +250,10 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
         log(f"data: {raw.name}: {len(raw.train)} rows, format {fmt}, phase {phase} train rows {len(train) - before}")
     if not train:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no rows in this phase's part"
-        raise UserError(f"train phase {phase} has no usable rows after filtering ({reasons}); check --data, "
-                        f"--data-split and --max-seq-len")
+        needs = {1: "a response (pairwise or sft rows)", 2: "chosen/rejected pairs", 3: "a prompt"}[phase]
+        formats = ", ".join(f"{s['name']} is {s['format']}" for s in sources)
+        raise UserError(f"train phase {phase} has no usable rows after filtering ({reasons}); it needs {needs}; "
+                        f"{formats}; check --data, --data-split and --max-seq-len")
     counts["train_rows"] = len(train)
     counts["eval_rows"] = len(evals)
     result = PhaseData(phase, train, evals, dict(counts), sources)
