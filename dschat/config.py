@@ -81,12 +81,38 @@ class EngineArgs:
 
 
 @dataclass
+class LoraArgs:
+    """LoRA through PEFT (Hu et al. 2021, arXiv:2106.09685), DeepSpeed-Chat's flags.
+
+    Stages 1 and 2 compose this piece as it is. Stage 3 trains two models, and flag names must be unique across
+    a stage's pieces, so it declares ``actor_lora_dim``, ``critic_lora_dim``, ``actor_lora_module_name``, ... in
+    its own dataclass and builds one ``LoraArgs(lora_dim=..., ...)`` per model from them.
+    """
+
+    lora_dim: int = arg(0, "LoRA rank r (0: no LoRA, train the full model).")
+    lora_alpha: float = arg(16.0, "LoRA scaling numerator: the update is B @ A * alpha / r.")
+    lora_dropout: float = arg(0.0, "Dropout on the LoRA branch input.")
+    lora_module_name: str = arg("all-linear", "Which linear layers get adapters: 'all-linear' (every attention "
+                                              "and MLP projection of the backbone, never the LM head or v_head) "
+                                              "or a comma-separated list of module-name substrings, e.g. "
+                                              "'q_proj,v_proj' or 'decoder.layers.'.")
+    only_optimize_lora: bool = arg(True, "Freeze the base weights and train only the adapters (and the v_head of "
+                                         "a reward/critic model); false trains the base weights too.")
+    lora_learning_rate: float | None = arg(None, "Learning rate of the LoRA weights (default: the main one).")
+    save_adapter: bool = arg(False, "Also save the unmerged PEFT adapter (adapter_config.json + "
+                                    "adapter_model.safetensors) in the model folder's adapter/ subfolder.")
+
+
+@dataclass
 class RunArgs:
     output_dir: str = arg("", "Output folder (model/, eval.json, metrics.jsonl, tensorboard/, args.json).")
     seed: int = arg(1234, "Random seed for data order, splits and initialisation.")
     eval_interval: int = arg(0, "Evaluate every N optimizer steps (0: only before and after training).")
     log_interval: int = arg(1, "Log metrics every N optimizer steps.")
-    force: bool = arg(False, "Overwrite an output folder that already holds a finished run.")
+    save_interval: int = arg(0, "Write a resumable training state every N steps (0: never; Ctrl-C also saves).")
+    keep_checkpoints: int = arg(2, "How many resumable states to keep.")
+    resume: bool = arg(False, "Continue from the latest complete training state in the output folder.")
+    force: bool = arg(False, "Overwrite an output folder that already holds a finished run or training states.")
     progress: bool = arg(True, "Show a progress bar.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher.", hidden=True)
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import shutil
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +39,31 @@ class Stage:
 
 
 def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
-    """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json."""
+    """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json.
+
+    A finished run (eval.json) or resumable training states are never overwritten silently: ``--resume``
+    continues the states, ``--force`` starts over.
+    """
+    from dschat.resume import checkpoint_root, latest_state
+
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
     if (out / "eval.json").exists() and not run.force:
         raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it or "
                         "choose another --output-dir")
+    if latest_state(out) is not None and not (run.resume or run.force):
+        raise UserError(f"{out} holds a resumable training state ({latest_state(out)}); pass --resume to "
+                        "continue it or --force to start over")
     E.setup_distributed()
     set_seed(run.seed)
     stage = Stage(name, out)
     if E.is_main():
         out.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "eval.json"):
-            if (out / stale).exists():
-                (out / stale).unlink()
+        if not run.resume:
+            for stale in ("metrics.jsonl", "eval.json"):
+                if (out / stale).exists():
+                    (out / stale).unlink()
+            shutil.rmtree(checkpoint_root(out), ignore_errors=True)
         write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
     E.barrier()
     return stage
@@ -68,7 +83,10 @@ def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> 
     """Shuffled each epoch (call ``loader.sampler.set_epoch``), sharded across ranks."""
     sampler = DistributedSampler(rows, num_replicas=E.world_size(), rank=E.rank(), shuffle=True, seed=seed,
                                  drop_last=E.world_size() > 1)
-    return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False)
+    # A private generator: starting an epoch's iterator must not draw from the global RNG, or a resumed run
+    # (which restores the global RNG mid-epoch) would diverge from an uninterrupted one.
+    return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def eval_loader(rows: list[Any], batch_size: int, collator: Any) -> DataLoader:
@@ -91,3 +109,39 @@ def check_finite(value: float, step: int, what: str = "loss") -> None:
     if not math.isfinite(value):
         raise UserError(f"{what} became {value} at step {step}; stopping (lower the learning rate or check the "
                         "data); the last saved state is kept")
+
+
+def resumable_batches(loader: DataLoader, epochs: int, start_epoch: int = 0,
+                      skip: int = 0) -> Iterator[tuple[int, int, Any]]:
+    """``(epoch, batches_done_in_epoch, batch)`` over ``epochs``, starting ``skip`` batches into ``start_epoch``.
+
+    The order of every epoch is fixed by the sampler's seed and the epoch number, so a resumed run sees
+    exactly the batches an uninterrupted run would have seen.
+    """
+    for epoch in range(start_epoch, epochs):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        batches = iter(loader)
+        done = 0
+        if epoch == start_epoch and skip:
+            for _ in itertools.islice(batches, skip):
+                done += 1
+        for batch in batches:
+            done += 1
+            yield epoch, done, batch
+
+
+class Interrupted(UserError):
+    """Ctrl-C: the state was saved; exit 130 like any interrupted command."""
+
+    exit_code = 130
+
+
+@contextlib.contextmanager
+def save_on_interrupt(save: Callable[[], Path | None]) -> Iterator[None]:
+    """Ctrl-C inside the block saves a resumable state (via ``save``) and exits cleanly."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        path = save()
+        where = f"saved {path}; continue with --resume" if path else "nothing to save yet"
+        raise Interrupted(f"interrupted: {where}") from None

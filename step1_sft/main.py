@@ -27,12 +27,15 @@ from dschat.cli import run_command, stage_command
 from dschat.config import DataArgs, EngineArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model
+from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.stage import (
     begin_stage,
     check_finite,
     count_optimizer_steps,
     eval_loader,
     learning_rate,
+    resumable_batches,
+    save_on_interrupt,
     to_device,
     train_loader,
 )
@@ -85,37 +88,54 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     model = create_causal_lm(model_path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
                              cfg.model.trust_remote_code)
     n_params = sum(p.numel() for p in model.parameters())
-    lr = learning_rate(cfg.optim, cfg.model.model)
+    lr = learning_rate(cfg.optim, cfg.model.model, n_params)
     engine = E.build_train_engine(model, engine=cfg.engine, optim=cfg.optim, dtype=dtype, total_steps=total_steps,
                                   lr=lr)
     stage.log(f"model {model_path} | {n_params / 1e6:.2f}M params | "
               f"train rows {len(data.train)} eval rows {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")
 
-    before = evaluate_perplexity(engine, evals) if data.eval else {}
+    ckpt = Checkpointer(stage.output_dir, {"model": engine}, cfg.run.keep_checkpoints)
+    state: dict[str, Any] = {}
+    resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
+    if resume_from is not None:
+        state, _ = ckpt.load(resume_from)
+        truncate_metrics(stage.output_dir, state["step"])
+        stage.log(f"resumed from {resume_from} (step {state['step']})")
+    before = state.get("before") or (evaluate_perplexity(engine, evals) if data.eval else {})
     tracker = RunTracker(stage.output_dir, E.is_main(), total_steps, cfg.run.progress, desc="sft")
-    if before:
+    if before and resume_from is None:
         tracker.log(0, {"eval/perplexity": before["perplexity"], "eval/loss": before["loss"]})
 
     engine.train()
     dev = E.device()
-    step, micro, window_loss, window_tokens, t0 = 0, 0, 0.0, 0, time.time()
-    first_loss = last_loss = float("nan")
-    done = False
-    for epoch in range(cfg.optim.num_train_epochs):
-        loader.sampler.set_epoch(epoch)
-        for batch in loader:
+    accum = cfg.optim.gradient_accumulation_steps
+    step = state.get("step", 0)
+    first_loss, last_loss = state.get("first_loss", float("nan")), state.get("last_loss", float("nan"))
+    tracker.advance(step)
+    window_loss, window_tokens, t0 = 0.0, 0, time.time()
+    position = {"epoch": state.get("epoch", 0), "batches": state.get("batches", 0)}  # of the last optimizer step
+
+    def save_state() -> Any:
+        return ckpt.save(step, {**position, "before": before, "first_loss": first_loss, "last_loss": last_loss})
+
+    with save_on_interrupt(save_state):
+        for epoch, done_in_epoch, batch in resumable_batches(loader, cfg.optim.num_train_epochs,
+                                                             position["epoch"], position["batches"]):
+            if step >= total_steps:
+                break
             batch = to_device(batch, dev)
             loss = engine(**batch, use_cache=False).loss
             engine.backward(loss)
+            steps_before = engine.global_steps
             engine.step()
-            micro += 1
             window_loss += loss.item()
             window_tokens += int(batch["attention_mask"].sum())
-            if micro % cfg.optim.gradient_accumulation_steps:
+            if engine.global_steps == steps_before:  # inside a gradient-accumulation window
                 continue
             step += 1
-            mean_loss = E.all_reduce_mean(torch.tensor(window_loss / cfg.optim.gradient_accumulation_steps)).item()
+            position = {"epoch": epoch, "batches": done_in_epoch}
+            mean_loss = E.all_reduce_mean(torch.tensor(window_loss / accum)).item()
             check_finite(mean_loss, step)
             first_loss = mean_loss if step == 1 else first_loss
             last_loss = mean_loss
@@ -129,11 +149,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
                 mid = evaluate_perplexity(engine, evals)
                 tracker.log(step, {"eval/perplexity": mid["perplexity"], "eval/loss": mid["loss"]})
-            if step >= total_steps:
-                done = True
-                break
-        if done:
-            break
+            if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_steps:
+                save_state()
 
     after = evaluate_perplexity(engine, evals) if data.eval else {}
     if after:

@@ -24,3 +24,30 @@ def read_json(path: str | Path) -> dict:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def kill_when_state_saved(args: list[str], output_dir: Path, timeout: int = 600) -> None:
+    """Start ``dschat ARGS``, SIGKILL it as soon as a resumable state exists, and wait for it to die."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    latest = Path(output_dir) / "checkpoints" / "latest"
+    deadline = time.time() + timeout
+    try:
+        while not latest.exists():
+            if proc.poll() is not None:
+                raise AssertionError(f"run ended (exit {proc.returncode}) before saving a state")
+            if time.time() > deadline:
+                raise AssertionError("no state saved in time")
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def losses(path: str | Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_jsonl(Path(path) / "metrics.jsonl") if key in r}

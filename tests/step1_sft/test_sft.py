@@ -7,7 +7,7 @@ import torch
 
 from dschat.config import build_config
 from step1_sft.main import SFTConfig, run
-from tests.helpers import read_json, read_jsonl, run_cli
+from tests.helpers import kill_when_state_saved, losses, read_json, read_jsonl, run_cli
 
 
 def test_sft_loss_falls_and_model_loads(tmp_path):
@@ -59,3 +59,48 @@ def test_sft_two_ranks_zero3_under_deepspeed_launcher(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert sum(p.numel() for p in model.parameters()) > 1_000_000  # full weights, not ZeRO-3 shards
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
+    common = ["train", "--step", "1", "--max-steps", "12", "--save-interval", "3", "--no-progress",
+              "--per-device-train-batch-size", "4"]
+    ref = tmp_path / "ref"
+    assert run_cli(*common, "--output-dir", str(ref)).returncode == 0
+    out = tmp_path / "killed"
+    kill_when_state_saved([*common, "--output-dir", str(out)], out)
+    assert not (out / "eval.json").exists()
+    saved = (out / "checkpoints" / "latest").read_text().strip()
+    proc = run_cli(*common, "--output-dir", str(out))  # without --resume: refuses to clobber the state
+    assert proc.returncode == 2 and "--resume" in proc.stderr
+    proc = run_cli(*common, "--output-dir", str(out), "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resumed from {out / 'checkpoints' / saved}" in proc.stderr
+    want, got = losses(ref, "train/loss"), losses(out, "train/loss")
+    assert sorted(got) == list(range(1, 13))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+    assert read_json(out / "eval.json")["perplexity"] == pytest.approx(read_json(ref / "eval.json")["perplexity"],
+                                                                       rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_state_and_exits_cleanly(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "int"
+    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", "train", "--step", "1",
+                             "--max-steps", "400", "--no-progress", "--output-dir", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or len(losses(out, "train/loss")) < 2:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: saved" in err and "Traceback" not in err
+    assert (out / "checkpoints" / "latest").exists()

@@ -1,0 +1,135 @@
+"""Resumable training states: every engine (model, optimizer, scheduler), the loop position, RNG states.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step-00000040/          one complete state
+        <engine>/state/     DeepSpeed checkpoint of each engine (ZeRO shards written by every rank)
+        trainer.json        loop position (step, epoch, batch within epoch) and stage extras
+        rng-rank<R>.pt      python / numpy / torch (/ cuda) RNG states of each rank
+        tensors.pt          optional extra tensors (e.g. the EMA weights)
+    latest                  the name of the newest complete state
+
+A state is written into ``.step-N.tmp`` and renamed into place only once every rank has finished writing; only
+then is ``latest`` replaced (atomically). ``kill -9`` at any moment therefore leaves ``latest`` pointing at a
+complete state (or absent), never at a half-written one. Older states beyond ``keep`` are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dschat import engine as E
+from dschat.errors import UserError
+from dschat.utils import atomic_write_text
+
+TAG = "state"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_state(output_dir: str | Path) -> Path | None:
+    """The newest complete state, or None."""
+    root = checkpoint_root(output_dir)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "trainer.json").exists() else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Saves and restores the complete training state of a stage's engines (collective: call on every rank)."""
+
+    def __init__(self, output_dir: str | Path, engines: dict[str, Any], keep: int = 2):
+        self.root = checkpoint_root(output_dir)
+        self.engines = engines
+        self.keep = max(1, keep)
+
+    def save(self, step: int, trainer: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        name = f"step-{step:08d}"
+        final = self.root / name
+        tmp = self.root / f".{name}.tmp"
+        if E.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        E.barrier()
+        for key, eng in self.engines.items():
+            eng.save_checkpoint(str(tmp / key), tag=TAG, save_latest=False)
+        torch.save(_rng_state(), tmp / f"rng-rank{E.rank()}.pt")
+        if E.is_main():
+            if tensors is not None:
+                torch.save(tensors, tmp / "tensors.pt")
+            (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer}, indent=2, default=float))
+        E.barrier()
+        if E.is_main():
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            atomic_write_text(self.root / "latest", name + "\n")
+            self._prune(name)
+        E.barrier()
+        return final
+
+    def _prune(self, newest: str) -> None:
+        states = sorted(p for p in self.root.glob("step-*") if p.is_dir())
+        for old in states[: -self.keep]:
+            if old.name != newest:
+                shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob(".step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+        """Restore every engine and this rank's RNG from ``path``; return the trainer state and extra tensors."""
+        for key, eng in self.engines.items():
+            if not (path / key / TAG).exists():
+                raise UserError(f"{path}: the saved state has no engine {key!r}; it was written by another "
+                                "configuration")
+            eng.load_checkpoint(str(path / key), tag=TAG, load_optimizer_states=True,
+                                load_lr_scheduler_states=True)
+        rng_file = path / f"rng-rank{E.rank()}.pt"
+        if not rng_file.exists():
+            raise UserError(f"{path}: no RNG state for rank {E.rank()} (was it saved with another world size?)")
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+        trainer = json.loads((path / "trainer.json").read_text())
+        tensors = torch.load(path / "tensors.pt", weights_only=False) if (path / "tensors.pt").exists() else None
+        return trainer, tensors
+
+
+def truncate_metrics(output_dir: str | Path, step: int) -> None:
+    """Drop logged rows past the resumed step (they will be logged again) and any half-written last line."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.exists() or not E.is_main():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
