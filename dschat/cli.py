@@ -146,6 +146,6 @@ def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_p
 
 def cli() -> None:
     """Console-script entry point."""
-    from dschat import chat, commands, pipeline  # noqa: F401 - register the remaining subcommands on `main`
+    from dschat import chat, commands, export, pipeline  # noqa: F401 - register the subcommands on `main`
 
     run_command(main)

@@ -217,8 +217,13 @@ Engine = Any  # deepspeed.DeepSpeedEngine; kept opaque so callers need not impor
 
 def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: OptimArgs, dtype: torch.dtype,
                        total_steps: int, lr: float | None = None, micro_batch: int | None = None,
-                       grad_accum: int | None = None, hybrid_engine: dict[str, Any] | None = None) -> Engine:
-    """A trainable DeepSpeed engine: AdamW (weight decay split), warmup + schedule, clipping, accumulation."""
+                       grad_accum: int | None = None, hybrid_engine: dict[str, Any] | None = None,
+                       param_groups: list[dict[str, Any]] | None = None) -> Engine:
+    """A trainable DeepSpeed engine: AdamW (weight decay split), warmup + schedule, clipping, accumulation.
+
+    ``param_groups`` replaces the default ``optimizer_groups(model, weight_decay)``, e.g.
+    ``dschat.lora.lora_param_groups`` for a separate LoRA learning rate (a group's ``lr`` overrides ``lr``).
+    """
     config = ds_config(micro_batch=micro_batch or optim.per_device_train_batch_size,
                        grad_accum=grad_accum or optim.gradient_accumulation_steps,
                        zero_stage=engine.zero_stage, offload=engine.offload, dtype=dtype,
@@ -230,7 +235,7 @@ def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: Opt
     schedule = lr_lambda(total_steps, warmup, optim.lr_scheduler_type)
     eng, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=optimizer_groups(model, optim.weight_decay),
+        model_parameters=param_groups if param_groups is not None else optimizer_groups(model, optim.weight_decay),
         config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
     )
@@ -304,3 +309,26 @@ def zero3_init_context(config: dict[str, Any]) -> Any:
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(config)
+
+
+def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) -> dict[str, torch.Tensor]:
+    """The full fp32 module state dict of a DeepSpeed checkpoint written by ``save_checkpoint``, offline.
+
+    ZeRO 1-3 shards (one file per rank) are merged; a ZeRO-0 checkpoint holds the module whole. Needs no
+    process group, so it runs on any machine (e.g. a CPU box exporting a GPU run).
+    """
+    from pathlib import Path
+
+    folder = Path(engine_dir) / tag
+    if any(folder.glob("*optim_states.pt")) and any(folder.glob("zero_pp_rank_*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=tag)
+        return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    files = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        from dschat.errors import UserError
+
+        raise UserError(f"{folder}: no DeepSpeed model states found")
+    blob = torch.load(files[0], map_location="cpu", weights_only=False)
+    return {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}

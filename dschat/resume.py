@@ -65,10 +65,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores the complete training state of a stage's engines (collective: call on every rank)."""
 
-    def __init__(self, output_dir: str | Path, engines: dict[str, Any], keep: int = 2):
+    def __init__(self, output_dir: str | Path, engines: dict[str, Any], keep: int = 2, tokenizer: Any = None):
         self.root = checkpoint_root(output_dir)
         self.engines = engines
         self.keep = max(1, keep)
+        self.tokenizer = tokenizer  # saved beside each engine's config, so `dschat export` needs nothing else
 
     def save(self, step: int, trainer: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Path:
         name = f"step-{step:08d}"
@@ -80,6 +81,8 @@ class Checkpointer:
         E.barrier()
         for key, eng in self.engines.items():
             eng.save_checkpoint(str(tmp / key), tag=TAG, save_latest=False)
+            if E.is_main():
+                write_model_meta(E.unwrap(eng), self.tokenizer, tmp / key / META)
         torch.save(_rng_state(), tmp / f"rng-rank{E.rank()}.pt")
         if E.is_main():
             if tensors is not None:
@@ -117,6 +120,27 @@ class Checkpointer:
         trainer = json.loads((path / "trainer.json").read_text())
         tensors = torch.load(path / "tensors.pt", weights_only=False) if (path / "tensors.pt").exists() else None
         return trainer, tensors
+
+
+META = "hf"  # per engine: config.json, tokenizer files and dschat.json (what module to rebuild for export)
+
+
+def write_model_meta(module: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
+    """What ``dschat export`` needs to turn the engine's shards back into a HF folder."""
+    import dataclasses
+
+    from dschat.lora import lora_args_of
+    from dschat.models import RewardModel, hf_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    target, _ = hf_model(module)
+    target.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    lora = lora_args_of(module)
+    meta = {"kind": "reward" if isinstance(module, RewardModel) else "causal_lm",
+            "lora": dataclasses.asdict(lora) if lora is not None else None}
+    (folder / "dschat.json").write_text(json.dumps(meta, indent=2))
 
 
 def truncate_metrics(output_dir: str | Path, step: int) -> None:

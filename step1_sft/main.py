@@ -95,7 +95,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
               f"train rows {len(data.train)} eval rows {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")
 
-    ckpt = Checkpointer(stage.output_dir, {"model": engine}, cfg.run.keep_checkpoints)
+    ckpt = Checkpointer(stage.output_dir, {"model": engine}, cfg.run.keep_checkpoints, tokenizer)
     state: dict[str, Any] = {}
     resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
     if resume_from is not None:
