@@ -33,6 +33,7 @@ ASSISTANT_PREFIX = "assistant> "
 # Config fields that hold the longest sequence a model was built for, by family (Llama/OPT/Qwen, GPT-2, ...).
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+STOP_WINDOW_TOKENS = 32
 
 
 # ------------------------------------------------------------------------------------------- model and device
@@ -162,7 +163,7 @@ def held_back(text: str, stops: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------- generation
 def _make_streamer(tokenizer: Any, stops: list[str], write: Callable[[str], None]) -> Any:
     """A ``TextStreamer`` (prompt and special tokens skipped) that writes through ``write``, never shows a stop
-    string or anything after it, and drops the whitespace that opens an answer."""
+    string or anything after it, nor the whitespace around an answer."""
     from transformers import TextStreamer
 
     class ChatStreamer(TextStreamer):
@@ -179,6 +180,9 @@ def _make_streamer(tokenizer: Any, stops: list[str], write: Callable[[str], None
             visible, self.stopped = cut_at_stop(self.text, stops)
             if not (self.stopped or stream_end):
                 visible = visible[: len(visible) - held_back(visible, stops)]
+            # Trailing whitespace waits for the next word, and an answer's last whitespace is never shown: the
+            # streamed text is then exactly the answer ``reply`` returns.
+            visible = visible.rstrip()
             if self.shown == 0:
                 # Skip leading whitespace: keep `shown` at 0 until the answer's first visible character.
                 lead = len(visible) - len(visible.lstrip())
@@ -194,12 +198,14 @@ def _stop_criteria(tokenizer: Any, stops: list[str], prompt_len: int) -> Any:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class StopOnText(StoppingCriteria):
-        """True once the decoded answer holds a stop string (batch size 1)."""
+        """True once the answer's last tokens hold a stop string (batch size 1). Only a tail is decoded (a stop
+        string is a few characters, so a few tokens even as byte pieces), keeping each step's check cheap."""
 
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             import torch
 
-            text = tokenizer.decode(input_ids[0, prompt_len:], skip_special_tokens=True)
+            start = max(prompt_len, input_ids.shape[1] - STOP_WINDOW_TOKENS)
+            text = tokenizer.decode(input_ids[0, start:], skip_special_tokens=True)
             hit = cut_at_stop(text, stops)[1]
             return torch.full((input_ids.shape[0],), hit, dtype=torch.bool, device=input_ids.device)
 
@@ -337,6 +343,8 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
                  top_p: float, top_k: int, greedy: bool, repetition_penalty: float, seed: int | None, device: str,
                  dtype: str, trust_remote_code: bool) -> None:
     """Chat with a model: interactively, or one answer with --prompt (clear resets, quit/exit/Ctrl-D ends)."""
+    if prompt is not None and not prompt.strip():
+        raise UserError("--prompt is empty")
     path = chat_model_dir(model)
     dev = pick_device(device)
 
@@ -368,8 +376,6 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
 
     out = sys.stdout
     if prompt is not None:
-        if not prompt.strip():
-            raise UserError("--prompt is empty")
         messages: Messages = ([{"role": "system", "content": system}] if system else [])
         bot.reply(messages + [{"role": "user", "content": prompt}], lambda t: (out.write(t), out.flush()))
         out.write("\n")

@@ -109,11 +109,13 @@ def gather_objects(obj: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
-    """Rank 0 runs the block first (e.g. to build a cache); the others run it after, reading what it wrote."""
-    if not is_main():
+    """The first rank of each node runs the block first (e.g. to build a cache, node-local or shared); the
+    others run it after, reading what it wrote. Every rank passes exactly one barrier."""
+    first = local_rank() == 0
+    if not first:
         barrier()
     yield
-    if is_main():
+    if first:
         barrier()
 
 

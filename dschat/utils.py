@@ -48,16 +48,26 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path) -> Iterator[Path]:
+def atomic_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``final`` in one rename.
 
-    A crash inside the block leaves ``final`` as it was (old content or absent), never half written.
+    A crash inside the block leaves ``final`` as it was (old content or absent), never half written. With
+    ``replace=False`` (deterministic content built by several processes at once), a ``final`` that another
+    process completed meanwhile is kept and this copy discarded, so no reader ever sees it vanish.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
         yield tmp
+        if not replace:
+            try:
+                os.rename(tmp, final)  # fails if another process got there first
+            except OSError:
+                if not final.exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+            return
         if final.exists():
             old = final.parent / f".{final.name}.old-{os.getpid()}"
             os.replace(final, old)

@@ -1,0 +1,113 @@
+"""The scripts in ``launch/``: they parse, forward their arguments, and a two-"node" run on this machine works
+through ``multi_node_no_ssh.sh`` (two launchers with --no_ssh, one per node rank, meeting at 127.0.0.1)."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, read_json
+
+LAUNCH = ROOT / "launch"
+SCRIPTS = ["single_process.sh", "single_node.sh", "multi_node_hostfile.sh", "multi_node_no_ssh.sh", "slurm.sbatch"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_parses_and_is_executable(name):
+    path = LAUNCH / name
+    assert os.access(path, os.X_OK), f"{name} is not executable"
+    assert "set -euo pipefail" in path.read_text()
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _dry_run(name: str, *args: str, cwd, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, **env}
+    return subprocess.run([str(LAUNCH / name), *args], cwd=cwd, env=full, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_scripts_forward_arguments_from_any_directory(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    proc = _dry_run("multi_node_no_ssh.sh", "--model", "tiny", "--output-dir", "out dir", cwd=tmp_path,
+                    STEP="3", NODE_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29555", HOSTFILE=str(hostfile))
+    assert proc.returncode == 0, proc.stderr
+    for part in ("-m deepspeed.launcher.runner", f"--hostfile {hostfile}", "--no_ssh", "--node_rank 1",
+                 "--master_addr 10.0.0.1", "--master_port 29555", f"{ROOT}/step3_rlhf/main.py --model tiny",
+                 "--output-dir out\\ dir"):
+        assert part in proc.stderr, (part, proc.stderr)
+
+    proc = _dry_run("single_process.sh", "--max-steps", "3", cwd=tmp_path, STEP="2")
+    assert proc.returncode == 0 and f"{ROOT}/step2_reward/main.py --max-steps 3" in proc.stderr
+
+    proc = _dry_run("single_node.sh", "--model", "tiny", cwd=tmp_path, NUM_GPUS="4", MASTER_PORT="29556")
+    assert proc.returncode == 0
+    assert "dschat train --step 1 --num-gpus 4 --master-port 29556 --model tiny" in proc.stderr
+
+    proc = _dry_run("multi_node_hostfile.sh", "--model", "tiny", cwd=tmp_path, HOSTFILE=str(hostfile),
+                    DSCHAT_CACHE="/shared/dschat cache", NUM_NODES="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "--launcher pdsh" in proc.stderr and "--num_nodes 2" in proc.stderr
+    assert "DSCHAT_CACHE=/shared/dschat\\ cache" in proc.stderr  # reaches the other nodes through DS_ENV_FILE
+
+
+def test_scripts_reject_missing_settings(tmp_path):
+    proc = _dry_run("multi_node_no_ssh.sh", cwd=tmp_path, MASTER_ADDR="10.0.0.1", HOSTFILE="/nonexistent",
+                    NODE_RANK="")
+    assert proc.returncode == 2 and "NODE_RANK" in proc.stderr
+    proc = _dry_run("multi_node_no_ssh.sh", cwd=tmp_path, NODE_RANK="0", MASTER_ADDR="10.0.0.1",
+                    HOSTFILE=str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "hostfile" in proc.stderr
+    proc = _dry_run("single_process.sh", cwd=tmp_path, STEP="4")
+    assert proc.returncode == 2 and "STEP" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_without_ssh_on_localhost(tmp_path):
+    """Two launchers, as if on two nodes, each starting one CPU rank; they meet at 127.0.0.1 (gloo)."""
+    from dschat.models import resolve_model
+
+    # Build the tiny preset once here: both launchers would otherwise race to build it in the shared cache.
+    resolve_model("tiny")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "HOSTFILE": str(hostfile), "STEP": "1"}
+    env.pop("DRY_RUN", None)
+    args = ["--model", "tiny", "--output-dir", str(out), "--max-steps", "4", "--no-progress", "--force"]
+    procs = []
+    with contextlib.ExitStack() as stack:
+        for rank in (0, 1):
+            log = stack.enter_context(open(tmp_path / f"node{rank}.log", "w"))
+            # A session of its own per launcher, so a timeout can end the launcher and the ranks it started.
+            procs.append(subprocess.Popen([str(LAUNCH / "multi_node_no_ssh.sh"), *args], cwd=tmp_path,
+                                          env={**env, "NODE_RANK": str(rank)}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            codes = [p.wait(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    tails = "\n".join((tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
+    assert codes == [0, 0], tails
+
+    assert read_json(out / "args.json")["world_size"] == 2
+    assert (out / "eval.json").exists()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
