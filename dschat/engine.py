@@ -297,8 +297,10 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
             with deepspeed.zero.GatheredParameters([param]):
                 if is_main():
                     state[name] = param.data.detach().cpu().clone()
+        # Only persistent buffers belong to a state dict (rotary inv_freq, for one, is recomputed at load).
+        persistent = set(module.state_dict().keys())
         for name, buf in module.named_buffers():
-            if is_main():
+            if is_main() and name in persistent:
                 state[name] = buf.detach().cpu().clone()
         return state
     if is_main():

@@ -11,13 +11,16 @@ import hashlib
 import inspect
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dschat.errors import UserError
 from dschat.utils import atomic_dir, cache_root, stable_hash
+
+if TYPE_CHECKING:
+    from dschat.config import LoraArgs
 
 ALIASES: dict[str, str] = {
     "chinese-llama-2-7b": "hfl/chinese-llama-2-7b",
@@ -63,7 +66,7 @@ def tiny_model_dir() -> Path:
     if (final / "config.json").exists():
         return final
     _quiet_transformers()
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, replace=False) as tmp:
         save_tiny_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(tmp)
         config = tiny_model_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
@@ -130,7 +133,9 @@ def _apply_dropout(config: Any, dropout: float | None) -> None:
 
 
 def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
-                     gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> nn.Module:
+                     gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                     lora: LoraArgs | None = None) -> nn.Module:
+    """A HF causal LM; with ``lora`` (``lora_dim`` > 0) PEFT LoRA adapters are injected (``dschat.lora``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet_transformers()
@@ -138,6 +143,10 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
     _apply_dropout(config, dropout)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
+    if lora is not None and lora.lora_dim:
+        from dschat.lora import apply_lora
+
+        apply_lora(model, lora)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -182,8 +191,11 @@ class RewardModel(nn.Module):
 
 def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
                         gradient_checkpointing: bool = False, pad_token_id: int | None = None,
-                        trust_remote_code: bool = False) -> RewardModel:
-    """A reward/critic model from a causal-LM folder (fresh v_head) or a saved reward model (trained v_head)."""
+                        trust_remote_code: bool = False, lora: LoraArgs | None = None) -> RewardModel:
+    """A reward/critic model from a causal-LM folder (fresh v_head) or a saved reward model (trained v_head).
+
+    With ``lora`` (``lora_dim`` > 0) the backbone gets PEFT LoRA adapters and the v_head stays fully trainable.
+    """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     _quiet_transformers()
@@ -198,14 +210,25 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     except ValueError as e:
         raise UserError(f"{path}: this model family has no sequence-classification head in transformers "
                         f"({str(e).splitlines()[0][:120]})") from None
+    model = RewardModel(seq_cls)
+    if lora is not None and lora.lora_dim:
+        from dschat.lora import apply_lora
+
+        apply_lora(model, lora)
     if gradient_checkpointing:
         seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         seq_cls.config.use_cache = False
-    return RewardModel(seq_cls)
+    return model
 
 
 def hf_model(module: nn.Module) -> tuple[Any, str]:
-    """The HF ``PreTrainedModel`` to ``save_pretrained`` and the state-dict prefix to strip to reach it."""
+    """The HF ``PreTrainedModel`` to ``save_pretrained`` and the state-dict prefix to strip to reach it.
+
+    LoRA layers injected by ``dschat.lora`` live inside that model (``dschat.lora.merged_state_dict`` maps their
+    keys back); a ``peft.PeftModel`` wrapper is looked through (prefix ``base_model.model.``).
+    """
     if isinstance(module, RewardModel):
         return module.model, "model."
+    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):  # peft.PeftModel
+        return module.get_base_model(), "base_model.model."
     return module, ""

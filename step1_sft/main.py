@@ -24,8 +24,9 @@ import torch
 from dschat import engine as E
 from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
-from dschat.config import DataArgs, EngineArgs, ModelArgs, OptimArgs, RunArgs
+from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs
 from dschat.data import DataCollatorSFT, load_phase
+from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model
 from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.stage import (
@@ -48,6 +49,7 @@ class SFTConfig:
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
     run: RunArgs = field(default_factory=RunArgs)
 
 
@@ -86,11 +88,12 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     dtype = E.resolve_dtype(cfg.model.dtype)
     model = create_causal_lm(model_path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
-                             cfg.model.trust_remote_code)
+                             cfg.model.trust_remote_code, lora=cfg.lora)
     n_params = sum(p.numel() for p in model.parameters())
     lr = learning_rate(cfg.optim, cfg.model.model, n_params)
     engine = E.build_train_engine(model, engine=cfg.engine, optim=cfg.optim, dtype=dtype, total_steps=total_steps,
-                                  lr=lr)
+                                  lr=lr, param_groups=lora_param_groups(model, cfg.optim.weight_decay, lr,
+                                                                        cfg.lora.lora_learning_rate))
     stage.log(f"model {model_path} | {n_params / 1e6:.2f}M params | "
               f"train rows {len(data.train)} eval rows {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")

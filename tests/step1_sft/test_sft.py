@@ -104,3 +104,14 @@ def test_ctrl_c_saves_a_state_and_exits_cleanly(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted: saved" in err and "Traceback" not in err
     assert (out / "checkpoints" / "latest").exists()
+
+
+def test_sft_with_lora_saves_a_plain_merged_folder(tmp_path):
+    out = tmp_path / "lora"
+    run(build_config(SFTConfig, {"output_dir": str(out), "max_steps": 3, "lora_dim": 8, "progress": False,
+                                 "save_adapter": True}))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")  # no peft needed
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert (out / "model" / "adapter" / "adapter_config.json").exists()
