@@ -13,11 +13,12 @@ disjoint shards on N ranks gives exactly the single-process numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from dschat import engine as E
 from dschat.config import DataArgs
@@ -64,20 +65,28 @@ def _dummy_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate_reward(model: Any, loader: Iterable[dict[str, torch.Tensor]], pad_token_id: int = 0) -> RewardEval:
-    """Score every pair of ``loader`` (this rank's shard) and reduce the sums over ranks.
+def evaluate_reward(model: Any, loader: DataLoader, pad_token_id: int = 0) -> RewardEval:
+    """Score every pair of ``loader`` (this rank's shard, batches from ``DataCollatorReward``), summed over ranks.
 
-    Under ZeRO-3 every forward is a collective (parameters are gathered layer by layer), so a rank whose shard
-    has fewer batches runs throw-away forwards until every rank has run as many as the longest shard.
+    Under ZeRO-3 every forward is a collective (each layer's parameters are gathered from all ranks), so the
+    ranks agree on the longest shard's batch count first, and a rank with fewer batches runs throw-away
+    forwards on a one-token batch to match; otherwise uneven shards would hang the gathers.
     """
     was_training = model.training
     model.eval()
     dev = E.device()
+    n_local = len(loader)
+    n_forward = n_local
+    if E.world_size() > 1 and E.is_zero3_partitioned(E.unwrap(model)):
+        n_forward = int(E.all_reduce_max(torch.tensor(n_local, device=dev)).item())
     # float64 sums: the std comes from sum and sum of squares, which cancel badly in float32.
     sums = torch.zeros(7, dtype=torch.float64)  # wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all
-    n_local = 0
-    for batch in loader:
-        batch = to_device(batch, dev)
+    batches = iter(loader)
+    for i in range(n_forward):
+        if i >= n_local:
+            model(**to_device(_dummy_batch(pad_token_id), dev))
+            continue
+        batch = to_device(next(batches), dev)
         values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
         scores = RewardModel.end_scores(values, batch["attention_mask"]).double().cpu()  # (2B,)
         b = scores.numel() // 2
@@ -85,11 +94,6 @@ def evaluate_reward(model: Any, loader: Iterable[dict[str, torch.Tensor]], pad_t
         both = torch.cat([c, x])
         sums += torch.stack([(c > x).double().sum(), (c == x).double().sum(), torch.tensor(b, dtype=torch.float64),
                              c.sum(), x.sum(), both.sum(), (both**2).sum()])
-        n_local += 1
-    if E.world_size() > 1 and E.is_zero3_partitioned(E.unwrap(model)):
-        n_max = int(E.all_reduce_max(torch.tensor(n_local, device=dev)).item())
-        for _ in range(n_max - n_local):
-            model(**to_device(_dummy_batch(pad_token_id), dev))
     wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all = E.all_reduce_sum(sums.to(dev)).cpu().tolist()
     if was_training:
         model.train()
