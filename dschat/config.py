@@ -58,7 +58,8 @@ class DataArgs:
 
 @dataclass
 class OptimArgs:
-    learning_rate: float | None = arg(None, "Peak learning rate (default: 1e-3 for the tiny preset, else 1e-5).")
+    learning_rate: float | None = arg(None, "Peak learning rate (default: 1e-3 for models under 50M parameters, "
+                                            "such as the tiny preset; else 1e-5).")
     weight_decay: float = arg(0.0, "AdamW weight decay (not applied to biases and norms).")
     lr_scheduler_type: str = arg("cosine", "Learning-rate schedule after warmup.",
                                  choices=("cosine", "linear", "constant"))
@@ -68,7 +69,8 @@ class OptimArgs:
     per_device_eval_batch_size: int = arg(16, "Evaluation batch size per device.")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
     num_train_epochs: int = arg(1, "Passes over the training data.")
-    max_steps: int = arg(-1, "Stop after this many optimizer steps (-1: run all epochs).")
+    max_steps: int = arg(-1, "Train for exactly this many optimizer steps, overriding --num-train-epochs "
+                             "(-1: run the epochs).")
     max_grad_norm: float = arg(1.0, "Gradient clipping norm (0 disables).")
     adam_beta1: float = arg(0.9, "AdamW beta1.")
     adam_beta2: float = arg(0.95, "AdamW beta2.")

@@ -75,7 +75,7 @@ def eval_command(step: int, model: str, data_: tuple[str, ...], output: str | No
     rm.to(E.device())
     pad = tokenizer.pad_token_id
     loader = DataLoader(pairs.train, batch_size=batch_size, shuffle=False, collate_fn=DataCollatorReward(pad))
-    result = evaluate_reward(rm, loader, pad)
+    result = evaluate_reward(rm, loader)
 
     metrics = {"model": path, "data": list(data_), "accuracy": result.accuracy,
                "chosen_score": result.chosen_score, "rejected_score": result.rejected_score,

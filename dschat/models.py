@@ -120,7 +120,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{path}: cannot load tokenizer ({str(e).strip().splitlines()[0][:200]})") from None
     if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+        # A pad distinct from EOS keeps HF's sequence-classification pooling (last token != pad) equal to
+        # dschat's end score (last token by attention mask); unk is the usual choice for Llama tokenizers.
+        if tok.unk_token is not None and tok.unk_token_id != tok.eos_token_id:
+            tok.pad_token = tok.unk_token
+        else:
+            tok.pad_token = tok.eos_token
     return tok
 
 

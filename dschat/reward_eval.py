@@ -24,7 +24,7 @@ from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
 from dschat.models import RewardModel
-from dschat.stage import to_device
+from dschat.stage import lockstep_batches, to_device
 
 
 @dataclass
@@ -59,35 +59,22 @@ def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return {k: batch[k][:b] for k in keys}, {k: batch[k][b:] for k in keys}
 
 
-def _dummy_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.full((2, 1), pad_token_id, dtype=torch.long),
-            "attention_mask": torch.ones((2, 1), dtype=torch.long)}
-
-
-@torch.no_grad()
-def evaluate_reward(model: Any, loader: DataLoader, pad_token_id: int = 0) -> RewardEval:
+def evaluate_reward(model: Any, loader: DataLoader) -> RewardEval:
     """Score every pair of ``loader`` (this rank's shard, batches from ``DataCollatorReward``), summed over ranks.
 
     Under ZeRO-3 every forward is a collective (each layer's parameters are gathered from all ranks), so the
-    ranks agree on the longest shard's batch count first, and a rank with fewer batches runs throw-away
-    forwards on a one-token batch to match; otherwise uneven shards would hang the gathers.
+    ranks run in lockstep (``lockstep_batches``); otherwise uneven shards would hang the gathers.
     """
     was_training = model.training
     model.eval()
     dev = E.device()
-    n_local = len(loader)
-    n_forward = n_local
-    if E.world_size() > 1 and E.is_zero3_partitioned(E.unwrap(model)):
-        n_forward = int(E.all_reduce_max(torch.tensor(n_local, device=dev)).item())
     # float64 sums: the std comes from sum and sum of squares, which cancel badly in float32.
     sums = torch.zeros(7, dtype=torch.float64)  # wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all
-    batches = iter(loader)
-    for i in range(n_forward):
-        if i >= n_local:
-            model(**to_device(_dummy_batch(pad_token_id), dev))
-            continue
-        batch = to_device(next(batches), dev)
+    for batch, real in lockstep_batches(loader):
+        batch = to_device(batch, dev)
         values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        if not real:
+            continue
         scores = RewardModel.end_scores(values, batch["attention_mask"]).double().cpu()  # (2B,)
         b = scores.numel() // 2
         c, x = scores[:b], scores[b:]

@@ -90,15 +90,40 @@ def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> 
 
 
 def eval_loader(rows: list[Any], batch_size: int, collator: Any) -> DataLoader:
-    """Each rank evaluates a disjoint strided shard, without padding duplicates: sums over ranks are exact."""
+    """Each rank evaluates a disjoint strided shard, without padding duplicates: sums over ranks are exact.
+
+    Iterate it with ``lockstep_batches``: shards can differ by a batch, and ZeRO-3 forwards are collective.
+    """
     shard = rows[E.rank():: E.world_size()]
-    return DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collator)
+    loader = DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collator)
+    loader.filler = collator(rows[:1]) if rows else None  # type: ignore[attr-defined]
+    return loader
 
 
-def count_optimizer_steps(batches_per_epoch: int, optim: OptimArgs) -> int:
+def lockstep_batches(loader: DataLoader) -> Iterator[tuple[Any, bool]]:
+    """``(batch, real)``: every rank yields as many batches as the longest shard. Under ZeRO-3 each forward (and
+    each parameter gather around ``generate``) is a collective, so a rank that ran out of batches must keep
+    running throw-away ones (``real`` False, results discarded) or the others would hang."""
+    n_local = len(loader)
+    n = n_local
+    if E.world_size() > 1:
+        n = int(E.all_reduce_max(torch.tensor(n_local)).item())
+    for batch in loader:
+        yield batch, True
+    filler = getattr(loader, "filler", None)
+    for _ in range(n - n_local):
+        if filler is None:
+            raise RuntimeError("an empty evaluation shard has no batch to keep in step with")
+        yield filler, False
+
+
+def plan_steps(batches_per_epoch: int, optim: OptimArgs) -> tuple[int, int]:
+    """``(optimizer steps, epochs)``. ``--max-steps`` overrides ``--num-train-epochs`` (as in HF Trainer): the
+    data is passed over as many times as it takes."""
     per_epoch = max(1, math.ceil(batches_per_epoch / optim.gradient_accumulation_steps))
-    total = per_epoch * optim.num_train_epochs
-    return min(total, optim.max_steps) if optim.max_steps > 0 else total
+    if optim.max_steps > 0:
+        return optim.max_steps, math.ceil(optim.max_steps / per_epoch)
+    return per_epoch * optim.num_train_epochs, optim.num_train_epochs
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -32,9 +32,10 @@ from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.stage import (
     begin_stage,
     check_finite,
-    count_optimizer_steps,
     eval_loader,
     learning_rate,
+    lockstep_batches,
+    plan_steps,
     resumable_batches,
     save_on_interrupt,
     to_device,
@@ -60,9 +61,11 @@ def evaluate_perplexity(model: Any, loader: Any) -> dict[str, float]:
     model.eval()
     nll, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     dev = E.device()
-    for batch in loader:
+    for batch, real in lockstep_batches(loader):
         batch = to_device(batch, dev)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        if not real:
+            continue
         labels = batch["labels"][:, 1:]
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
                                                  ignore_index=-100, reduction="sum")
@@ -84,7 +87,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     collator = DataCollatorSFT(tokenizer.pad_token_id)
     loader = train_loader(data.train, cfg.optim.per_device_train_batch_size, collator, cfg.run.seed)
     evals = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, collator)
-    total_steps = count_optimizer_steps(len(loader), cfg.optim)
+    total_steps, epochs = plan_steps(len(loader), cfg.optim)
 
     dtype = E.resolve_dtype(cfg.model.dtype)
     model = create_causal_lm(model_path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
@@ -123,7 +126,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         return ckpt.save(step, {**position, "before": before, "first_loss": first_loss, "last_loss": last_loss})
 
     with save_on_interrupt(save_state):
-        for epoch, done_in_epoch, batch in resumable_batches(loader, cfg.optim.num_train_epochs,
+        for epoch, done_in_epoch, batch in resumable_batches(loader, epochs,
                                                              position["epoch"], position["batches"]):
             if step >= total_steps:
                 break

@@ -35,9 +35,9 @@ from dschat.reward_eval import RewardEval, evaluate_reward, is_reward_checkpoint
 from dschat.stage import (
     begin_stage,
     check_finite,
-    count_optimizer_steps,
     eval_loader,
     learning_rate,
+    plan_steps,
     resumable_batches,
     save_on_interrupt,
     to_device,
@@ -96,7 +96,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     collator = DataCollatorReward(pad)
     loader = train_loader(data.train, cfg.optim.per_device_train_batch_size, collator, cfg.run.seed)
     evals = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, collator)
-    total_steps = count_optimizer_steps(len(loader), cfg.optim)
+    total_steps, epochs = plan_steps(len(loader), cfg.optim)
 
     dtype = E.resolve_dtype(cfg.model.dtype)
     model = create_reward_model(model_path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
@@ -124,7 +124,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     if state.get("before"):
         before: RewardEval | None = RewardEval(**state["before"])
     else:
-        before = evaluate_reward(engine, evals, pad) if data.eval else None
+        before = evaluate_reward(engine, evals) if data.eval else None
     tracker = RunTracker(stage.output_dir, E.is_main(), total_steps, cfg.run.progress, desc="reward")
     if before and resume_from is None:
         tracker.log(0, eval_metrics(before), prefix="eval/")
@@ -143,7 +143,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
                                 "first_loss": first_loss, "last_loss": last_loss})
 
     with save_on_interrupt(save_state):
-        for epoch, done_in_epoch, batch in resumable_batches(loader, cfg.optim.num_train_epochs,
+        for epoch, done_in_epoch, batch in resumable_batches(loader, epochs,
                                                              position["epoch"], position["batches"]):
             if step >= total_steps:
                 break
@@ -171,18 +171,18 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
             tracker.advance(1, loss=loss, acc=acc)
             window.zero_()
             if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and step < total_steps and data.eval:
-                tracker.log(step, eval_metrics(evaluate_reward(engine, evals, pad)), prefix="eval/")
+                tracker.log(step, eval_metrics(evaluate_reward(engine, evals)), prefix="eval/")
             if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_steps:
                 save_state()
 
-    after = evaluate_reward(engine, evals, pad) if data.eval else None
+    after = evaluate_reward(engine, evals) if data.eval else None
     if after:
         tracker.log(step, eval_metrics(after), prefix="eval/")
     tracker.close()
     # Stage 3 normalises rewards by these; without held-out pairs, score (up to max_eval_rows) training pairs.
     stats = after or evaluate_reward(
         engine, eval_loader(data.train[: cfg.data.max_eval_rows or None], cfg.optim.per_device_eval_batch_size,
-                            collator), pad)
+                            collator))
     save_hf(engine, tokenizer, stage.output_dir / "model",
             config_updates={"reward_mean": stats.score_mean, "reward_std": stats.score_std})
 
