@@ -25,9 +25,10 @@ import torch
 from dschat import engine as E
 from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
-from dschat.config import DataArgs, EngineArgs, ModelArgs, OptimArgs, RunArgs, arg
+from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg
 from dschat.data import DataCollatorReward, load_phase
 from dschat.errors import UserError
+from dschat.lora import lora_param_groups
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss, pairwise_metrics
 from dschat.models import RewardModel, create_reward_model, load_tokenizer, resolve_model
 from dschat.resume import Checkpointer, latest_state, truncate_metrics
@@ -61,6 +62,7 @@ class RewardConfig:
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
     run: RunArgs = field(default_factory=RunArgs)
     reward: RewardArgs = field(default_factory=RewardArgs)
 
@@ -100,7 +102,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     dtype = E.resolve_dtype(cfg.model.dtype)
     model = create_reward_model(model_path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
-                                pad_token_id=pad, trust_remote_code=cfg.model.trust_remote_code)
+                                pad_token_id=pad, trust_remote_code=cfg.model.trust_remote_code, lora=cfg.lora)
     if not is_reward_checkpoint(model_path, cfg.model.trust_remote_code):
         # A fresh v_head starts at zero: every score is 0, so the untrained model has no preference (accuracy
         # exactly 0.5, ties counting half). A random head projects end states that already differ in style and
@@ -109,7 +111,8 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     lr = learning_rate(cfg.optim, cfg.model.model, n_params)
     engine = E.build_train_engine(model, engine=cfg.engine, optim=cfg.optim, dtype=dtype, total_steps=total_steps,
-                                  lr=lr)
+                                  lr=lr, param_groups=lora_param_groups(model, cfg.optim.weight_decay, lr,
+                                                                        cfg.lora.lora_learning_rate))
     stage.log(f"model {model_path} | {n_params / 1e6:.2f}M params | loss {cfg.reward.rm_loss} | "
               f"train pairs {len(data.train)} eval pairs {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")
