@@ -1,10 +1,14 @@
-"""Stage 3: RLHF with PPO over four DeepSpeed engines (actor, reference, critic, reward).
+"""Stage 3: RLHF with PPO over four DeepSpeed engines (actor, reference, critic, reward), or the GRPO family.
 
     python step3_rlhf/main.py --actor-model out/step1/model --reward-model out/step2/model --output-dir out/step3
     deepspeed --num_gpus 8 step3_rlhf/main.py --actor-zero-stage 3 --enable-hybrid-engine ...
+    python step3_rlhf/main.py --algo grpo --actor-model out/step1/model --data prompts.jsonl \\
+        --reward-funcs format --reward-funcs accuracy --loss-type dapo
     dschat train --step 3 ...        (the same flags)
 
-Reads top to bottom: set up the four models, evaluate, loop (generate experience -> PPO epochs), evaluate, save.
+Reads top to bottom: set up the models, evaluate, loop, evaluate, save. One step of the loop is PPO's (generate
+experience -> PPO epochs over it) or GRPO's (G completions per prompt -> group advantages -> policy steps); both
+share generation (the hybrid engine), rollouts, log-probs, scoring and evaluation.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from itertools import cycle
 from typing import Any
 
@@ -28,9 +33,11 @@ from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.config import DataArgs, EngineArgs, OptimArgs, RunArgs, arg
 from dschat.data import DataCollatorRLHF, DataCollatorSFT, load_phase
+from dschat.data.phases import demo_files
 from dschat.errors import UserError
 from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rlhf import (
     Retokenizer,
     Rollout,
@@ -44,13 +51,15 @@ from dschat.stage import begin_stage, eval_loader, to_device, train_loader
 from dschat.tracking import RunTracker, write_eval
 
 TINY_PARAMS = 50_000_000  # below this, a model is a from-scratch toy and takes toy-sized learning rates
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, sec. 3.1)
 
 
 @dataclass
 class RLModelArgs:
     actor_model: str = arg("", "Actor initialisation: a step-1 output (…/model) or any --model value.")
-    reward_model: str = arg("", "Reward model: a step-2 output (…/model).")
-    critic_model: str = arg("", "Critic initialisation (default: the reward model).")
+    reward_model: str = arg("", "Reward model: a step-2 output (…/model). Required for PPO; optional for GRPO "
+                                "(the reward function 'rm').")
+    critic_model: str = arg("", "Critic initialisation (default: the reward model). PPO only.")
     dtype: str = arg("auto", "Parameter dtype; auto = fp32 on CPU, bf16 (else fp16) on CUDA.",
                      choices=("auto", "fp32", "bf16", "fp16"))
     trust_remote_code: bool = arg(False, "Allow model code shipped with the checkpoints.")
@@ -77,15 +86,18 @@ class RLEngineArgs:
 
 @dataclass
 class PPOArgs:
-    algo: str = arg("ppo", "RL algorithm.", choices=("ppo",))
-    per_device_generation_batch_size: int = arg(8, "Prompts per device per generation batch.")
-    per_device_training_batch_size: int = arg(8, "Experience rows per device per PPO micro-batch.")
+    algo: str = arg("ppo", "RL algorithm: ppo (actor, critic, reference and reward model; SPEC 5) or grpo (the "
+                           "GRPO family: G completions per prompt, group-relative advantages, no critic; SPEC 6).",
+                    choices=("ppo", "grpo"))
+    per_device_generation_batch_size: int = arg(8, "Prompts per device per generation batch (GRPO: prompts per "
+                                                   "step, each with --num-generations completions).")
+    per_device_training_batch_size: int = arg(8, "Experience rows (GRPO: completions) per device per micro-batch.")
     per_device_eval_batch_size: int = arg(16, "Prompts per device per evaluation batch.")
-    generation_batches: int = arg(1, "Generation batches collected before each PPO update.")
-    ppo_epochs: int = arg(1, "Passes over each batch of experience.")
+    generation_batches: int = arg(1, "Generation batches collected before each PPO update (PPO only).")
+    ppo_epochs: int = arg(1, "Passes over each batch of experience (PPO; GRPO uses --num-iterations).")
     num_train_epochs: int = arg(1, "Passes over the prompts.")
-    max_steps: int = arg(-1, "Stop after this many PPO updates (-1: run all epochs).")
-    gradient_accumulation_steps: int = arg(1, "PPO micro-batches per optimizer step.")
+    max_steps: int = arg(-1, "Stop after this many PPO/GRPO updates (-1: run all epochs).")
+    gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
     actor_learning_rate: float | None = arg(None, "Actor learning rate (default 1e-4 for tiny models, else 1e-6).")
     critic_learning_rate: float | None = arg(None, "Critic learning rate (default 5e-4 for tiny models, else 5e-6).")
     actor_weight_decay: float = arg(0.0, "Actor AdamW weight decay.")
@@ -97,20 +109,52 @@ class PPOArgs:
     temperature: float = arg(1.0, "Sampling temperature.")
     top_p: float = arg(1.0, "Nucleus sampling threshold.")
     top_k: int = arg(0, "Top-k sampling (0 disables).")
-    kl_ctl: float = arg(0.1, "KL penalty coefficient in the per-token reward.")
+    kl_ctl: float = arg(0.1, "KL penalty coefficient in the per-token reward (PPO; GRPO uses --beta).")
     kl_target: float | None = arg(None, "Target KL for the adaptive controller (Ziegler et al. 2019); "
                                         "unset keeps kl_ctl fixed.")
     kl_horizon: int = arg(10000, "Horizon of the adaptive KL controller.")
     clip_reward_value: float = arg(5.0, "Reward scores are clipped to [-c, c].")
-    cliprange: float = arg(0.2, "PPO policy ratio clip.")
+    cliprange: float = arg(0.2, "PPO policy ratio clip (GRPO: --epsilon, --epsilon-high).")
     cliprange_value: float = arg(0.2, "Critic value clip.")
     gamma: float = arg(1.0, "Discount.")
     lam: float = arg(0.95, "GAE lambda.")
     whiten_advantages: bool = arg(True, "Whiten advantages over the answer tokens of each experience batch.")
     normalize_reward: bool = arg(False, "Normalise scores by the reward model's eval mean/std (from its config).")
     missing_eos_penalty: float | None = arg(None, "Subtracted from the score of answers that never reached EOS.")
-    unsup_data: list[str] = arg(help="SFT-format data for the mixed pretraining loss (repeatable).", factory=list)
+    unsup_data: list[str] = arg(help="SFT-format data for the mixed pretraining loss (repeatable; PPO only).",
+                                factory=list)
     unsup_coef: float = arg(27.8, "Weight of the mixed pretraining loss.")
+
+
+@dataclass
+class GRPOArgs:
+    num_generations: int = arg(4, "Completions per prompt (G, one group) with --algo grpo.")
+    num_iterations: int = arg(1, "Policy passes over each generation (mu); > 1 caches the old log-probs.")
+    beta: float = arg(0.04, "KL coefficient to the reference; 0 loads no reference model.")
+    kl_estimator: str = arg("k3", "Estimator of KL(policy || reference) in the loss (Schulman 2020).",
+                            choices=("k1", "k2", "k3"))
+    epsilon: float = arg(0.2, "Lower ratio clip: clip(ratio, 1 - epsilon, 1 + epsilon_high).")
+    epsilon_high: float | None = arg(None, f"Upper ratio clip (default: --epsilon; {DAPO_EPS_HIGH} with "
+                                           "--loss-type dapo, DAPO's clip-higher).")
+    scale_rewards: str = arg("group", "Advantage scale: reward minus group mean, divided by the group's std, the "
+                                      "batch's std, or nothing (Dr. GRPO).", choices=("group", "batch", "none"))
+    loss_type: str = arg("grpo", "Loss aggregation: grpo (per-sequence token mean), dr_grpo (sum / (batch * max "
+                                 "length)), dapo (token mean over the batch; clip-higher, dynamic sampling), gspo "
+                                 "(sequence-level ratio).", choices=("grpo", "dr_grpo", "dapo", "gspo"))
+    dynamic_sampling: bool | None = arg(None, "Drop groups whose rewards are all equal and generate more prompts to "
+                                              "refill the batch (DAPO). Default: on with --loss-type dapo only.")
+    max_resample_rounds: int = arg(3, "Extra generation rounds per step to refill dropped groups (dynamic "
+                                      "sampling); the step trains on what it has after them.")
+    mask_truncated_completions: bool = arg(False, "Completions that never reached EOS get a zero action mask.")
+    overlong_buffer: int | None = arg(None, "Reward 'overlong': the penalty falls from 0 at max_answer_seq_len - "
+                                            "buffer to -overlong_factor at max_answer_seq_len (default: a quarter "
+                                            "of --max-answer-seq-len).")
+    overlong_factor: float = arg(1.0, "Reward 'overlong': the penalty at max_answer_seq_len.")
+    reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
+                                       "accuracy, judge_match, overlong, or path/to/file.py:function. Default: rm "
+                                       "with --reward-model, else format and accuracy.", factory=list)
+    reward_weights: list[str] = arg(help="Weight of each --reward-funcs entry, in order (repeatable floats; "
+                                         "default 1 each).", factory=list)
 
 
 @dataclass
@@ -118,19 +162,68 @@ class RLHFConfig:
     models: RLModelArgs = field(default_factory=RLModelArgs)
     engines: RLEngineArgs = field(default_factory=RLEngineArgs)
     ppo: PPOArgs = field(default_factory=PPOArgs)
+    grpo: GRPOArgs = field(default_factory=GRPOArgs)
     data: DataArgs = field(default_factory=DataArgs)
     run: RunArgs = field(default_factory=RunArgs)
+
+
+def reward_func_names(cfg: RLHFConfig) -> list[str]:
+    """The reward sources of a GRPO run: --reward-funcs, else rm with a reward model, else format + accuracy."""
+    if cfg.grpo.reward_funcs:
+        return list(cfg.grpo.reward_funcs)
+    return [RM] if cfg.models.reward_model else ["format", "accuracy"]
+
+
+def eps_high_of(g: GRPOArgs) -> float:
+    if g.epsilon_high is not None:
+        return g.epsilon_high
+    return DAPO_EPS_HIGH if g.loss_type == "dapo" else g.epsilon
+
+
+def dynamic_sampling_of(g: GRPOArgs) -> bool:
+    return g.dynamic_sampling if g.dynamic_sampling is not None else g.loss_type == "dapo"
+
+
+def check_config(cfg: RLHFConfig) -> None:
+    """Stop before any model loads on flag combinations that cannot work."""
+    p, g = cfg.ppo, cfg.grpo
+    if not cfg.models.actor_model:
+        raise UserError("stage 3 needs --actor-model (a step-1 output)")
+    if p.algo == "ppo":
+        if not cfg.models.reward_model:
+            raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
+                            "step-2 output)")
+        return
+    if g.num_generations < 2:
+        raise UserError("--num-generations must be >= 2: GRPO's advantage compares completions of one prompt")
+    if g.num_iterations < 1 or g.max_resample_rounds < 0:
+        raise UserError("--num-iterations must be >= 1 and --max-resample-rounds >= 0")
+    if RM in reward_func_names(cfg) and not cfg.models.reward_model:
+        raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+    if p.unsup_data:
+        raise UserError("--unsup-data (the mixed pretraining loss) is PPO-only")
+    if p.generation_batches != 1:
+        raise UserError("--generation-batches is PPO-only; with --algo grpo raise --per-device-generation-batch-size")
+
+
+def check_reward_data(names: list[str], rows: list[dict[str, Any]]) -> None:
+    """Rules that compare with a ground truth stop before any model loads when prompts have none."""
+    missing = sum(r.get("answer") is None for r in rows)
+    for name in ("accuracy", "judge_match"):
+        if name in names and missing:
+            raise UserError(f"reward '{name}' needs a ground truth, but {missing} of {len(rows)} prompts have none; "
+                            "pass prompt-only rows with an 'answer' (or judge rows with a 'winner') via --data")
 
 
 # ------------------------------------------------------------------------------------------------- models
 @dataclass
 class Models:
     actor: Any  # training engine
-    ref: Any  # frozen (engine under ZeRO-3, else module)
-    critic: Any  # training engine
-    reward: Any  # frozen
+    ref: Any | None  # frozen (engine under ZeRO-3, else module); None for GRPO with beta 0
+    critic: Any | None  # training engine; PPO only
+    reward: Any | None  # frozen; None when no reward source needs it
     tokenizer: Any
-    reward_tokenizer: Any
+    reward_tokenizer: Any | None
     reward_stats: tuple[float, float] | None
 
 
@@ -141,12 +234,18 @@ def _lr(given: float | None, n_params: int, tiny: float, real: float) -> float:
 
 
 def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
+    """The engines the algorithm needs: PPO all four; GRPO the actor, the reference only when beta > 0 and the
+    reward model only when 'rm' is a reward source (no critic)."""
     m, e, p = cfg.models, cfg.engines, cfg.ppo
-    actor_path, reward_path = resolve_model(m.actor_model), resolve_model(m.reward_model)
-    critic_path = resolve_model(m.critic_model) if m.critic_model else reward_path
+    ppo = p.algo == "ppo"
+    need_ref = ppo or cfg.grpo.beta != 0.0
+    need_reward = ppo or RM in reward_func_names(cfg)
+    actor_path = resolve_model(m.actor_model)
+    reward_path = resolve_model(m.reward_model) if need_reward else ""
     tok = load_tokenizer(actor_path, m.trust_remote_code)
-    rm_tok = load_tokenizer(reward_path, m.trust_remote_code)
-    if not same_tokenizer(tok, load_tokenizer(critic_path, m.trust_remote_code)):
+    rm_tok = load_tokenizer(reward_path, m.trust_remote_code) if need_reward else None
+    critic_path = (resolve_model(m.critic_model) if m.critic_model else reward_path) if ppo else ""
+    if ppo and not same_tokenizer(tok, load_tokenizer(critic_path, m.trust_remote_code)):
         raise UserError(f"the critic ({critic_path}) must share the actor's tokenizer; pass --critic-model with a "
                         "reward model (or the actor) trained on the actor's tokenizer")
     dtype = E.resolve_dtype(m.dtype)
@@ -162,27 +261,135 @@ def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
         and torch.cuda.is_available() else None
     actor_engine = E.build_train_engine(actor, engine=EngineArgs(e.actor_zero_stage, e.offload), optim=actor_optim,
                                         dtype=dtype, total_steps=total_steps, hybrid_engine=hybrid)
-    ref = create_causal_lm(actor_path, dtype, m.actor_dropout, False, m.trust_remote_code)
-    ref_stage = e.reference_zero_stage if e.reference_zero_stage is not None else e.actor_zero_stage
-    ref_engine = E.build_eval_engine(ref, zero_stage=ref_stage, offload=e.offload_reference_model, dtype=dtype)
+    ref_engine = None
+    if need_ref:
+        ref = create_causal_lm(actor_path, dtype, m.actor_dropout, False, m.trust_remote_code)
+        ref_stage = e.reference_zero_stage if e.reference_zero_stage is not None else e.actor_zero_stage
+        ref_engine = E.build_eval_engine(ref, zero_stage=ref_stage, offload=e.offload_reference_model, dtype=dtype)
 
-    critic = create_reward_model(critic_path, dtype, m.critic_dropout, m.critic_gradient_checkpointing,
-                                 tok.pad_token_id, m.trust_remote_code)
-    n_critic = sum(t.numel() for t in critic.parameters())
-    critic_optim = OptimArgs(learning_rate=_lr(p.critic_learning_rate, n_critic, 5e-4, 5e-6),
-                             weight_decay=p.critic_weight_decay, lr_scheduler_type=p.lr_scheduler_type,
-                             num_warmup_steps=p.num_warmup_steps, max_grad_norm=p.max_grad_norm,
-                             per_device_train_batch_size=p.per_device_training_batch_size,
-                             gradient_accumulation_steps=p.gradient_accumulation_steps)
-    critic_engine = E.build_train_engine(critic, engine=EngineArgs(e.critic_zero_stage, e.offload),
-                                         optim=critic_optim, dtype=dtype, total_steps=total_steps)
-    reward = create_reward_model(reward_path, dtype, 0.0, False, rm_tok.pad_token_id, m.trust_remote_code)
-    stats = None
-    if getattr(reward.config, "reward_mean", None) is not None:
-        stats = (float(reward.config.reward_mean), float(getattr(reward.config, "reward_std", 1.0) or 1.0))
-    rw_stage = e.reward_zero_stage if e.reward_zero_stage is not None else e.critic_zero_stage
-    reward_engine = E.build_eval_engine(reward, zero_stage=rw_stage, offload=e.offload_reward_model, dtype=dtype)
+    critic_engine = None
+    if ppo:
+        critic = create_reward_model(critic_path, dtype, m.critic_dropout, m.critic_gradient_checkpointing,
+                                     tok.pad_token_id, m.trust_remote_code)
+        n_critic = sum(t.numel() for t in critic.parameters())
+        critic_optim = OptimArgs(learning_rate=_lr(p.critic_learning_rate, n_critic, 5e-4, 5e-6),
+                                 weight_decay=p.critic_weight_decay, lr_scheduler_type=p.lr_scheduler_type,
+                                 num_warmup_steps=p.num_warmup_steps, max_grad_norm=p.max_grad_norm,
+                                 per_device_train_batch_size=p.per_device_training_batch_size,
+                                 gradient_accumulation_steps=p.gradient_accumulation_steps)
+        critic_engine = E.build_train_engine(critic, engine=EngineArgs(e.critic_zero_stage, e.offload),
+                                             optim=critic_optim, dtype=dtype, total_steps=total_steps)
+    reward_engine, stats = None, None
+    if need_reward:
+        assert rm_tok is not None
+        reward = create_reward_model(reward_path, dtype, 0.0, False, rm_tok.pad_token_id, m.trust_remote_code)
+        if getattr(reward.config, "reward_mean", None) is not None:
+            stats = (float(reward.config.reward_mean), float(getattr(reward.config, "reward_std", 1.0) or 1.0))
+        rw_stage = e.reward_zero_stage if e.reward_zero_stage is not None else e.critic_zero_stage
+        reward_engine = E.build_eval_engine(reward, zero_stage=rw_stage, offload=e.offload_reward_model,
+                                            dtype=dtype)
     return Models(actor_engine, ref_engine, critic_engine, reward_engine, tok, rm_tok, stats)
+
+
+# ------------------------------------------------------------------------------------------ shared machinery
+def generate_rollout(models: Models, hybrid: Any, batch: dict[str, Any], gen: GenerationConfig,
+                     seed: int | None = None, min_answer_len: int = 2) -> tuple[Rollout, int]:
+    """Sample answers for a batch of left-padded prompts and mask them (SPEC 5.1); every algorithm's rollouts
+    and evaluation come from here."""
+    seqs = hybrid.generate(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
+    return make_rollout(batch["prompt"], batch["prompt_att_mask"], seqs, models.tokenizer.eos_token_id,
+                        models.tokenizer.pad_token_id, min_answer_len=min_answer_len)
+
+
+def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],
+                                                                                           list[int]]:
+    """Decoded prompts and completions (special tokens dropped) and completion lengths in tokens, EOS included.
+
+    Read from the sequences, not the action mask: a short or truncated answer whose mask was zeroed still has
+    text for the rule rewards.
+    """
+    P = rollout.prompt_len
+    answers = rollout.sequences[:, P:].cpu()
+    is_eos = answers == tokenizer.eos_token_id
+    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(answers[:, 0],
+                                                                                      answers.shape[1]))
+    lengths = torch.where(is_eos.any(-1), first_eos + 1, first_eos).tolist()
+    prompts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.sequences[:, :P].cpu(),
+                                                                       prompt_mask.cpu(), strict=True)],
+                                     skip_special_tokens=True)
+    completions = tokenizer.batch_decode([row[:n] for row, n in zip(answers, first_eos.tolist(), strict=True)],
+                                         skip_special_tokens=True)
+    return prompts, completions, lengths
+
+
+def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:
+    """The reward functions' ``row_fields`` (dschat.rewards): ``answer`` plus every other field of the rows."""
+    extras: list[dict[str, Any]] = batch.get("extra") or [{} for _ in batch["answer"]]
+    reserved = {"answer", "prompts", "completions", "completion_lengths", "external"}
+    names = sorted({k for e in extras for k in e} - reserved)
+    fields = {k: [e.get(k) for e in extras] for k in names}
+    fields["answer"] = list(batch["answer"])
+    return fields
+
+
+class Scorer:
+    """What a rollout earns under the run's reward sources: the mixer over rule functions and, for ``rm``, the
+    reward model's end score (re-tokenized for it when its tokenizer differs; SPEC 5)."""
+
+    def __init__(self, mixer: RewardMixer, models: Models, retok: Retokenizer | None):
+        self.mixer, self.models, self.retok = mixer, models, retok
+        self.needs_text = any(n != RM for n in mixer.names)
+
+    @torch.no_grad()
+    def __call__(self, rollout: Rollout, batch: dict[str, Any]) -> MixedRewards:
+        external: dict[str, torch.Tensor] = {}
+        if RM in self.mixer.names:
+            external[RM] = reward_scores(self.models.reward, rollout, self.retok).float().cpu()
+        if not self.needs_text:  # rm only (PPO): no decoding
+            n = rollout.sequences.shape[0]
+            return self.mixer([""] * n, [""] * n, external=external)
+        prompts, completions, lengths = completion_texts(self.models.tokenizer, rollout, batch["prompt_att_mask"])
+        return self.mixer(prompts, completions, external=external, completion_lengths=lengths, **row_fields(batch))
+
+
+def build_scorer(cfg: RLHFConfig, models: Models, retok: Retokenizer | None) -> Scorer:
+    if cfg.ppo.algo == "ppo":
+        return Scorer(RewardMixer([RM], funcs={RM: None}), models, retok)
+    g = cfg.grpo
+    names = reward_func_names(cfg)
+    funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names}
+    return Scorer(RewardMixer(names, parse_weights(g.reward_weights), funcs), models, retok)
+
+
+def prompt_stream(loader: Any) -> Iterator[dict[str, Any]]:
+    """Prompt batches of epoch 0, 1, 2, ... without end; the loop stops by its update count. (GRPO's dynamic
+    sampling may draw more batches than steps.)"""
+    if len(loader) == 0:
+        raise UserError("no prompt batches on this rank (fewer prompts than ranks?)")
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _pad_right(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts whose prompt/answer widths differ (prompts padded left, answers right)."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_len for r in parts)
+    A = max(r.action_mask.shape[1] for r in parts)
+    seq, mask, amask = [], [], []
+    for r in parts:
+        lp, ra = P - r.prompt_len, A - r.action_mask.shape[1]
+        seq.append(torch.nn.functional.pad(r.sequences, (lp, ra), value=pad_token_id))
+        mask.append(torch.nn.functional.pad(r.attention_mask, (lp, ra), value=0))
+        amask.append(_pad_right(r.action_mask, A, 0))
+    return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]))
 
 
 # --------------------------------------------------------------------------------------------- experience
@@ -224,9 +431,7 @@ def score_rollout(models: Models, rollout: Rollout, p: PPOArgs, retok: Retokeniz
 @torch.no_grad()
 def make_experience(models: Models, hybrid: Any, batch: dict[str, Any], p: PPOArgs, gen: GenerationConfig,
                     kl_ctl: float, retok: Retokenizer | None) -> tuple[Experience, int]:
-    seqs = hybrid.generate(batch["prompt"], batch["prompt_att_mask"], gen)
-    rollout, dropped = make_rollout(batch["prompt"], batch["prompt_att_mask"], seqs, models.tokenizer.eos_token_id,
-                                    models.tokenizer.pad_token_id)
+    rollout, dropped = generate_rollout(models, hybrid, batch, gen)
     # Old log-probs, reference log-probs and values in eval mode (no dropout), once per experience batch.
     models.actor.eval()
     models.critic.eval()
@@ -248,219 +453,48 @@ def concat_experience(parts: list[Experience], pad_token_id: int) -> Experience:
     """Stack experience batches whose prompt/answer widths differ (pad prompts left, answers right)."""
     if len(parts) == 1:
         return parts[0]
-    P = max(x.rollout.prompt_len for x in parts)
-    A = max(x.rollout.action_mask.shape[1] for x in parts)
+    rollout = concat_rollouts([x.rollout for x in parts], pad_token_id)
+    A = rollout.action_mask.shape[1]
 
-    def pad(t: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (left, right), value=value)
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([_pad_right(getattr(x, name), A) for x in parts])
 
-    fields: dict[str, list[torch.Tensor]] = {k: [] for k in ("seq", "mask", "amask", "old", "ref", "val", "rew",
-                                                             "adv", "ret")}
-    for x in parts:
-        r = x.rollout
-        lp, ra = P - r.prompt_len, A - r.action_mask.shape[1]
-        fields["seq"].append(pad(r.sequences, lp, ra, pad_token_id))
-        fields["mask"].append(pad(r.attention_mask, lp, ra, 0))
-        fields["amask"].append(pad(r.action_mask, 0, ra, 0))
-        for key, t in (("old", x.old_logprobs), ("ref", x.ref_logprobs), ("val", x.old_values), ("rew", x.rewards),
-                       ("adv", x.advantages), ("ret", x.returns)):
-            fields[key].append(pad(t, 0, ra, 0.0))
-    cat = {k: torch.cat(v) for k, v in fields.items()}
-    rollout = Rollout(cat["seq"], cat["mask"], cat["amask"], P, torch.cat([x.rollout.reached_eos for x in parts]))
-    return Experience(rollout, cat["old"], cat["ref"], cat["val"], torch.cat([x.scores for x in parts]),
-                      torch.cat([x.raw_scores for x in parts]), cat["rew"], cat["adv"], cat["ret"])
+    return Experience(rollout, cat("old_logprobs"), cat("ref_logprobs"), cat("old_values"),
+                      torch.cat([x.scores for x in parts]), torch.cat([x.raw_scores for x in parts]), cat("rewards"),
+                      cat("advantages"), cat("returns"))
 
 
-# ---------------------------------------------------------------------------------------------------- EMA
-class ActorEMA:
-    """An exponential moving average of the actor's full weights, kept on CPU (gathered under ZeRO-3)."""
 
-    def __init__(self, actor: Any, decay: float):
-        self.decay = decay
-        self.state = E.full_state_dict(actor)
-
-    @torch.no_grad()
-    def update(self, actor: Any) -> None:
-        current = E.full_state_dict(actor)
-        for k, v in current.items():
-            if v.is_floating_point():
-                self.state[k].mul_(self.decay).add_(v, alpha=1.0 - self.decay)
-
-
-# ------------------------------------------------------------------------------------------------- eval
-@torch.no_grad()
-def evaluate(models: Models, hybrid: Any, loader: Any, p: PPOArgs, gen: GenerationConfig, seed: int,
-             retok: Retokenizer | None) -> dict[str, float]:
-    """Mean reward (with its standard error), KL to the reference and answer length on held-out prompts.
-
-    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers.
-    """
-    scores, kls, lengths, eos = [], [], [], []
-    models.actor.eval()
-    for i, batch in enumerate(loader):
-        batch = to_device(batch, E.device())
-        seqs = hybrid.generate(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed + i)
-        rollout, _ = make_rollout(batch["prompt"], batch["prompt_att_mask"], seqs, models.tokenizer.eos_token_id,
-                                  models.tokenizer.pad_token_id, min_answer_len=1)
-        logp = answer_logprobs(models.actor, rollout, p.temperature)
-        ref = answer_logprobs(models.ref, rollout, p.temperature)
-        mask = rollout.action_mask.float()
-        kls.append(((logp - ref) * mask).sum(-1).cpu())  # per-sequence KL estimate (k1 summed over tokens)
-        scores.append(reward_scores(models.reward, rollout, retok).float().cpu())
-        lengths.append(mask.sum(-1).cpu())
-        eos.append(rollout.reached_eos.float().cpu())
-    models.actor.train()
-    cat = [torch.cat(x) if x else torch.zeros(0) for x in (scores, kls, lengths, eos)]
-    gathered = E.gather_objects([t.tolist() for t in cat])
-    s, k, n, d = (torch.tensor([v for g in gathered for v in g[i]]) for i in range(4))
-    count = max(len(s), 1)
-    std = s.std().item() if len(s) > 1 else 0.0
-    return {"scores": s.tolist(), "reward": s.mean().item() if len(s) else float("nan"),
-            "reward_se": std / math.sqrt(count),
-            "reward_std": std, "kl": k.mean().item() if len(k) else float("nan"),
-            "answer_length": n.mean().item() if len(n) else float("nan"),
-            "eos_rate": d.mean().item() if len(d) else float("nan"), "eval_prompts": len(s)}
-
-
-# ---------------------------------------------------------------------------------------------------- run
-def run(cfg: RLHFConfig) -> dict[str, Any]:
-    p, d = cfg.ppo, cfg.data
-    if not cfg.models.actor_model or not cfg.models.reward_model:
-        raise UserError("stage 3 needs --actor-model (a step-1 output) and --reward-model (a step-2 output)")
-    stage = begin_stage(cfg, "step3_rlhf", "output/step3_rlhf")
-    tok = load_tokenizer(resolve_model(cfg.models.actor_model), cfg.models.trust_remote_code)
-    quiet = stage.log if E.is_main() else (lambda _: None)
-    with E.main_process_first():
-        data = load_phase(d, 3, tok, cfg.run.seed, log=quiet)
-    collator = DataCollatorRLHF(tok.pad_token_id)
-    prompts = train_loader(data.train, p.per_device_generation_batch_size, collator, cfg.run.seed)
-    evals = eval_loader(data.eval, p.per_device_eval_batch_size, collator)
-    updates_per_epoch = max(1, len(prompts) // p.generation_batches)
-    total_updates = updates_per_epoch * p.num_train_epochs
-    if p.max_steps > 0:
-        total_updates = min(total_updates, p.max_steps)
-    rows_per_update = p.per_device_generation_batch_size * p.generation_batches
-    micro_per_update = p.ppo_epochs * math.ceil(rows_per_update / p.per_device_training_batch_size)
-    # The mixed pretraining loss takes its own actor step after each PPO micro-batch (as DeepSpeed-Chat does).
-    optimizer_steps = max(1, total_updates * micro_per_update * (2 if p.unsup_data else 1)
-                          // p.gradient_accumulation_steps)
-
-    models = build_models(cfg, optimizer_steps)
-    hybrid = make_hybrid_engine(models.actor, tok, cfg.models.enable_hybrid_engine)
-    retok = None if same_tokenizer(tok, models.reward_tokenizer) else \
-        Retokenizer(tok, models.reward_tokenizer, d.max_prompt_seq_len + p.max_answer_seq_len)
-    gen = GenerationConfig(max_new_tokens=p.max_answer_seq_len, do_sample=True, temperature=p.temperature,
-                           top_p=p.top_p, top_k=p.top_k)
-    kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \
-        else L.FixedKLController(p.kl_ctl)
-    ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
-    unsup = None
-    if p.unsup_data:
-        unsup_args = DataArgs(data=p.unsup_data, data_split="1,0,0", max_seq_len=d.max_seq_len, eval_fraction=0.0,
-                              mask_prompt=False, data_cache_dir=d.data_cache_dir)
-        with E.main_process_first():
-            unsup_rows = load_phase(unsup_args, 1, tok, cfg.run.seed, log=quiet).train
-        unsup = cycle(train_loader(unsup_rows, p.per_device_training_batch_size, DataCollatorSFT(tok.pad_token_id),
-                                   cfg.run.seed))
-    stage.log(f"actor {cfg.models.actor_model} | reward {cfg.models.reward_model} | prompts {len(data.train)} "
-              f"(eval {len(data.eval)}) | {total_updates} PPO updates, {optimizer_steps} optimizer steps | "
-              f"ZeRO actor {cfg.engines.actor_zero_stage} critic {cfg.engines.critic_zero_stage} | "
-              f"world {E.world_size()}")
-
-    before = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok) if data.eval else {}
-    tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc="ppo")
-    if before:
-        tracker.log(0, _eval_scalars(before))
-
-    dev = E.device()
-    shuffle = torch.Generator().manual_seed(cfg.run.seed)
-    step, dropped_total, pending = 0, 0, []
-    for epoch in range(p.num_train_epochs):
-        prompts.sampler.set_epoch(epoch)
-        for batch in prompts:
-            t0 = time.time()
-            batch = to_device(batch, dev)
-            exp, dropped = make_experience(models, hybrid, batch, p, gen, kl_ctl.value, retok)
-            dropped_total += dropped
-            pending.append((exp, hybrid.last_generate_seconds, time.time() - t0))
-            if len(pending) < p.generation_batches:
-                continue
-            exp = concat_experience([x[0] for x in pending], tok.pad_token_id)
-            gen_time = sum(x[1] for x in pending)
-            exp_time = sum(x[2] for x in pending)
-            pending = []
-            t1 = time.time()
-            stats = ppo_update(models, exp, p, shuffle, unsup, ema)
-            train_time = time.time() - t1
-            step += 1
-            mask = exp.rollout.action_mask.float()
-            seq_kl = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)
-            local = torch.stack([exp.raw_scores.float().mean(), seq_kl.mean(), L.masked_mean(exp.returns, mask),
-                                 mask.sum(-1).mean(), exp.rollout.reached_eos.float().mean()]).cpu()
-            reward, kl, ret, length, eos_rate = E.all_reduce_mean(local).tolist()
-            tokens = E.all_reduce_sum(mask.sum().cpu()).item()
-            kl_ctl.update(kl, rows_per_update * E.world_size())
-            metrics = {"train/reward": reward, "train/kl": kl, "train/kl_ctl": kl_ctl.value, "train/return": ret,
-                       "train/answer_length": length, "train/eos_rate": eos_rate, **stats,
-                       "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
-                       "time/training_s": train_time,
-                       "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9),
-                       "train/dropped_short_answers": dropped_total}
-            for name, value in metrics.items():
-                if name.endswith("loss"):
-                    _check_finite(value, step, name)
-            if step % cfg.run.log_interval == 0 or step == total_updates:
-                tracker.log(step, metrics)
-            tracker.advance(1, reward=reward, kl=kl)
-            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
-                mid = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok)
-                tracker.log(step, _eval_scalars(mid))
-            if step >= total_updates:
-                break
-        if step >= total_updates:
-            break
-
-    after = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, retok) if data.eval else {}
-    if after:
-        tracker.log(step, _eval_scalars(after))
-    tracker.close()
-    save_hf(models.actor, tok, stage.output_dir / "actor")
-    save_hf(models.critic, tok, stage.output_dir / "critic")
-    if ema is not None:
-        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.state)
-    metrics = {
-        "reward_before": before.get("reward"), "reward_after": after.get("reward"),
-        "reward_before_se": before.get("reward_se"), "reward_after_se": after.get("reward_se"),
-        "reward_gain": (after["reward"] - before["reward"]) if before and after else None,
-        "reward_gain_se": paired_se(before["scores"], after["scores"]) if before and after else None,
-        "kl_before": before.get("kl"), "kl_after": after.get("kl"),
-        "answer_length_before": before.get("answer_length"), "answer_length_after": after.get("answer_length"),
-        "eos_rate_before": before.get("eos_rate"), "eos_rate_after": after.get("eos_rate"),
-        "eval_prompts": after.get("eval_prompts"), "steps": step, "dropped_short_answers": dropped_total,
-        **data.counts, "sources": data.sources,
-    }
-    if E.is_main():
-        write_eval(stage.output_dir, metrics)
-        if before and after:
-            stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
-                      f"{after['reward_se']:.3f} | KL {after['kl']:.3f} | saved {stage.output_dir}")
-    return metrics
-
-
-def _eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
-    return {f"eval/{k}": v for k, v in result.items() if k != "scores"}
-
-
-def paired_se(before: list[float], after: list[float]) -> float:
-    """Standard error of the mean reward gain: both evaluations answer the same prompts (with the same sampling
-    seeds), so the per-prompt differences are paired."""
-    diff = torch.tensor(after) - torch.tensor(before)
-    return diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
-
-
-def _check_finite(value: float, step: int, name: str) -> None:
-    if not math.isfinite(value):
-        raise UserError(f"{name} became {value} at PPO step {step}; stopping (lower the learning rates)")
+def ppo_step(models: Models, hybrid: Any, stream: Iterator[dict[str, Any]], p: PPOArgs, gen: GenerationConfig,
+             kl_ctl: Any, retok: Retokenizer | None, shuffle: torch.Generator, unsup: Any, ema: ActorEMA | None,
+             rows_per_update: int) -> tuple[dict[str, float], int]:
+    """One PPO update: ``generation_batches`` experience batches -> ``ppo_update``. Returns the step's metrics and
+    the short answers dropped."""
+    pending, dropped = [], 0
+    for _ in range(p.generation_batches):
+        t0 = time.time()
+        batch = to_device(next(stream), E.device())
+        exp, d = make_experience(models, hybrid, batch, p, gen, kl_ctl.value, retok)
+        dropped += d
+        pending.append((exp, hybrid.last_generate_seconds, time.time() - t0))
+    exp = concat_experience([x[0] for x in pending], models.tokenizer.pad_token_id)
+    gen_time = sum(x[1] for x in pending)
+    exp_time = sum(x[2] for x in pending)
+    t1 = time.time()
+    stats = ppo_update(models, exp, p, shuffle, unsup, ema)
+    train_time = time.time() - t1
+    mask = exp.rollout.action_mask.float()
+    seq_kl = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)
+    local = torch.stack([exp.raw_scores.float().mean(), seq_kl.mean(), L.masked_mean(exp.returns, mask),
+                         mask.sum(-1).mean(), exp.rollout.reached_eos.float().mean()]).cpu()
+    reward, kl, ret, length, eos_rate = E.all_reduce_mean(local).tolist()
+    tokens = E.all_reduce_sum(mask.sum().cpu()).item()
+    kl_ctl.update(kl, rows_per_update * E.world_size())
+    return {"train/reward": reward, "train/kl": kl, "train/kl_ctl": kl_ctl.value, "train/return": ret,
+            "train/answer_length": length, "train/eos_rate": eos_rate, **stats,
+            "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
+            "time/training_s": train_time,
+            "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
 
 
 def ppo_update(models: Models, exp: Experience, p: PPOArgs, shuffle: torch.Generator, unsup: Any,
@@ -498,7 +532,394 @@ def ppo_update(models: Models, exp: Experience, p: PPOArgs, shuffle: torch.Gener
     return dict(zip(sorted(sums), E.all_reduce_mean(local).tolist(), strict=True))
 
 
-command = stage_command("step3_rlhf", RLHFConfig, run, help="Stage 3: RLHF with PPO (SPEC section 5, 8).")
+# ------------------------------------------------------------------------------------------------ GRPO groups
+@dataclass
+class GroupBatch:
+    """One GRPO step's completions, ``num_generations`` consecutive ones per prompt (SPEC 6)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # (N,) mixed rewards
+    advantages: torch.Tensor  # (N,) group-relative, one per completion
+    old_logprobs: torch.Tensor | None  # (N, A); None: no optimizer step since generation, old = logprobs.detach()
+    ref_logprobs: torch.Tensor | None  # (N, A); None without a reference model (beta 0)
+
+    def minibatches(self, size: int, generator: torch.Generator) -> list[GroupBatch]:
+        order = torch.randperm(self.rewards.shape[0], generator=generator)
+        out = []
+        for i in range(0, len(order), size):
+            idx = order[i: i + size]
+            out.append(GroupBatch(self.rollout.select(idx), self.rewards[idx], self.advantages[idx],
+                                  None if self.old_logprobs is None else self.old_logprobs[idx],
+                                  None if self.ref_logprobs is None else self.ref_logprobs[idx]))
+        return out
+
+
+def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
+    """Every prompt (and its row fields) ``n`` times in a row, so the completions of a prompt are consecutive:
+    the layout ``L.group_advantages`` and ``L.dynamic_sampling_mask`` expect."""
+    out = {"prompt": batch["prompt"].repeat_interleave(n, 0),
+           "prompt_att_mask": batch["prompt_att_mask"].repeat_interleave(n, 0)}
+    for key in ("answer", "extra"):
+        if key in batch:
+            out[key] = [x for x in batch[key] for _ in range(n)]
+    return out
+
+
+def select_groups(rewards: torch.Tensor, num_generations: int, dynamic: bool, room: int) -> torch.Tensor:
+    """Row indices of the groups to train on, whole groups in order: with dynamic sampling only the groups whose
+    rewards are not all equal (DAPO, Yu et al. 2025: an all-equal group has zero advantage, so no gradient),
+    and at most ``room`` groups.
+
+    Args:
+        rewards: ``(N,)``, ``num_generations`` consecutive completions per prompt.
+
+    Returns:
+        ``(M,)`` int64 row indices, ``M`` a multiple of ``num_generations``.
+    """
+    keep = L.dynamic_sampling_mask(rewards, num_generations) if dynamic else torch.ones_like(rewards, dtype=torch.bool)
+    groups = keep.view(-1, num_generations)[:, 0].nonzero().squeeze(1)[: max(room, 0)]  # (M / G,)
+    return (groups.unsqueeze(1) * num_generations + torch.arange(num_generations)).flatten()
+
+
+def mask_truncated(rollout: Rollout) -> Rollout:
+    """Zero the action mask of answers that never reached EOS: a cut-off answer is not wrong for being cut off,
+    so it leaves the loss instead of being pushed down (DAPO, Yu et al. 2025). Its reward still counts in its
+    group's statistics."""
+    keep = rollout.reached_eos.unsqueeze(1).to(rollout.action_mask)  # (B, 1)
+    return Rollout(rollout.sequences, rollout.attention_mask, rollout.action_mask * keep, rollout.prompt_len,
+                   rollout.reached_eos)
+
+
+def needs_old_logprobs(num_iterations: int, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
+    """Whether an optimizer step falls between a generation and the last micro-batch that trains on it.
+
+    If none does, the policy that generated is the policy being trained, so ``old = logprobs.detach()`` is exact
+    and saves a forward pass (SPEC 6, mu = 1). Otherwise (mu > 1, or the generation spans several optimizer
+    steps) the old log-probs are computed once after generation. ``micro_offset``: micro-batches already
+    accumulated towards the next optimizer step.
+    """
+    return micro_offset + num_iterations * n_micro > grad_accum
+
+
+@torch.no_grad()
+def make_groups(models: Models, hybrid: Any, scorer: Scorer, stream: Iterator[dict[str, Any]], g: GRPOArgs,
+                p: PPOArgs, gen: GenerationConfig) -> tuple[GroupBatch | None, dict[str, float], int]:
+    """Generate ``num_generations`` completions per prompt of the next batch, score them and compute group
+    advantages. With dynamic sampling, groups whose rewards are all equal (no gradient) are dropped and further
+    prompt batches are generated to refill, at most ``max_resample_rounds`` extra rounds; then every rank keeps
+    the same number of groups, so all ranks run the same number of micro-batches (ZeRO collectives).
+
+    Returns the batch (None when no group is left), stats over every generated completion, and the number of
+    answers dropped as too short.
+    """
+    G, dev, target = g.num_generations, E.device(), p.per_device_generation_batch_size
+    dynamic = dynamic_sampling_of(g)
+    kept: list[tuple[Rollout, torch.Tensor]] = []
+    seen: dict[str, list[torch.Tensor]] = {"reward": [], "length": [], "eos": [], "group_std": [],
+                                           **{f"reward/{n}": [] for n in scorer.mixer.names}}
+    n_kept, rounds, dropped, gen_time = 0, 0, 0, 0.0
+    while True:
+        batch = repeat_prompts(to_device(next(stream), dev), G)
+        rollout, d = generate_rollout(models, hybrid, batch, gen)
+        gen_time += hybrid.last_generate_seconds
+        dropped += d
+        seen["length"].append(rollout.answer_lengths.float().cpu())
+        seen["eos"].append(rollout.reached_eos.float().cpu())
+        if g.mask_truncated_completions:
+            rollout = mask_truncated(rollout)
+        mixed = scorer(rollout, batch)
+        seen["reward"].append(mixed.total)
+        seen["group_std"].append(mixed.total.view(-1, G).std(dim=1))
+        for name, values in mixed.per_func.items():
+            seen[f"reward/{name}"].append(values)
+        idx = select_groups(mixed.total, G, dynamic, target - n_kept)
+        if idx.numel():
+            kept.append((rollout.select(idx.to(rollout.sequences.device)), mixed.total[idx]))
+        n_kept += idx.numel() // G
+        rounds += 1
+        if not dynamic or rounds > g.max_resample_rounds:
+            break
+        # One decision for all ranks: generation under ZeRO-3 is a collective.
+        if E.all_reduce_max(torch.tensor(float(target - n_kept))).item() <= 0:
+            break
+    n_groups = int(-E.all_reduce_max(torch.tensor(-float(n_kept))).item())  # the fewest on any rank
+
+    cat = {k: torch.cat(v) for k, v in seen.items()}
+    stats = {"train/reward": cat["reward"].mean().item(), "train/reward_std": cat["group_std"].mean().item(),
+             "train/frac_reward_zero_std": (cat["group_std"] == 0).float().mean().item(),
+             "train/answer_length": cat["length"].mean().item(), "train/eos_rate": cat["eos"].mean().item(),
+             "train/groups_kept": float(n_groups), "train/resample_rounds": float(rounds - 1),
+             "time/generation_s": gen_time, "tokens": cat["length"].sum().item(),
+             **{f"train/{k}": cat[k].mean().item() for k in seen if k.startswith("reward/")}}
+    if n_groups == 0:
+        return None, stats, dropped
+
+    rollout = concat_rollouts([r for r, _ in kept], models.tokenizer.pad_token_id)
+    rewards = torch.cat([t for _, t in kept])
+    rows = torch.arange(n_groups * G)
+    rollout, rewards = rollout.select(rows.to(rollout.sequences.device)), rewards[rows]
+    advantages = L.group_advantages(rewards, G, g.scale_rewards).to(dev)  # type: ignore[arg-type]
+    n_micro = math.ceil(rows.numel() / p.per_device_training_batch_size)
+    offset = getattr(models.actor, "micro_steps", 0) % p.gradient_accumulation_steps
+    # Old and reference log-probs in eval mode (no dropout), once per generation.
+    models.actor.eval()
+    old = answer_logprobs(models.actor, rollout, p.temperature) \
+        if needs_old_logprobs(g.num_iterations, n_micro, p.gradient_accumulation_steps, offset) else None
+    ref = answer_logprobs(models.ref, rollout, p.temperature) if models.ref is not None else None
+    models.actor.train()
+    return GroupBatch(rollout, rewards.to(dev), advantages, old, ref), stats, dropped
+
+
+def grpo_update(models: Models, batch: GroupBatch, g: GRPOArgs, p: PPOArgs, shuffle: torch.Generator,
+                ema: ActorEMA | None) -> dict[str, float]:
+    """``num_iterations`` passes of GRPO-family policy steps (``L.grpo_policy_loss``) over one generation."""
+    eps_high = eps_high_of(g)
+    sums: dict[str, float] = {}
+    n = 0
+    for _ in range(g.num_iterations):
+        for mb in batch.minibatches(p.per_device_training_batch_size, shuffle):
+            logprobs = answer_logprobs(models.actor, mb.rollout, p.temperature)
+            old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon, eps_high,
+                                     g.loss_type, ref_logprobs=mb.ref_logprobs,  # type: ignore[arg-type]
+                                     beta=g.beta if mb.ref_logprobs is not None else 0.0,
+                                     kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
+                                     max_completion_length=p.max_answer_seq_len)
+            steps_before = models.actor.global_steps
+            models.actor.backward(out.loss)
+            models.actor.step()
+            if ema is not None and models.actor.global_steps != steps_before:
+                ema.update(models.actor)
+            stats = {"train/actor_loss": out.loss, "train/clip_ratio_low": out.clip_ratio_low,
+                     "train/clip_ratio_high": out.clip_ratio_high, "train/clip_ratio": out.clip_ratio}
+            if mb.ref_logprobs is not None:
+                stats["train/kl"] = out.kl
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value.item())
+            n += 1
+    local = torch.tensor([sums[k] / max(n, 1) for k in sorted(sums)])
+    return dict(zip(sorted(sums), E.all_reduce_mean(local).tolist(), strict=True))
+
+
+def grpo_step(models: Models, hybrid: Any, scorer: Scorer, stream: Iterator[dict[str, Any]], g: GRPOArgs,
+              p: PPOArgs, gen: GenerationConfig, shuffle: torch.Generator,
+              ema: ActorEMA | None) -> tuple[dict[str, float], int]:
+    """One GRPO update: groups -> policy steps. Returns the step's metrics and the short answers dropped."""
+    t0 = time.time()
+    batch, stats, dropped = make_groups(models, hybrid, scorer, stream, g, p, gen)
+    exp_time = time.time() - t0
+    t1 = time.time()
+    train = grpo_update(models, batch, g, p, shuffle, ema) if batch is not None else {}
+    train_time = time.time() - t1
+    tokens = E.all_reduce_sum(torch.tensor(stats.pop("tokens"))).item()
+    gen_time = stats.pop("time/generation_s")
+    names = sorted(stats)
+    reduced = dict(zip(names, E.all_reduce_mean(torch.tensor([stats[k] for k in names])).tolist(), strict=True))
+    return {**reduced, **train, "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
+            "time/training_s": train_time, "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
+
+
+# ---------------------------------------------------------------------------------------------------- EMA
+class ActorEMA:
+    """An exponential moving average of the actor's full weights, kept on CPU (gathered under ZeRO-3)."""
+
+    def __init__(self, actor: Any, decay: float):
+        self.decay = decay
+        self.state = E.full_state_dict(actor)
+
+    @torch.no_grad()
+    def update(self, actor: Any) -> None:
+        current = E.full_state_dict(actor)
+        for k, v in current.items():
+            if v.is_floating_point():
+                self.state[k].mul_(self.decay).add_(v, alpha=1.0 - self.decay)
+
+
+# ------------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def evaluate(models: Models, hybrid: Any, loader: Any, p: PPOArgs, gen: GenerationConfig, seed: int,
+             scorer: Scorer) -> dict[str, Any]:
+    """Mean reward (with its standard error) and the mean of each reward source, KL to the reference (when there
+    is one) and answer length on held-out prompts, one completion per prompt.
+
+    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers.
+    """
+    names = scorer.mixer.names
+    cols: dict[str, list[float]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
+    models.actor.eval()
+    for i, batch in enumerate(loader):
+        batch = to_device(batch, E.device())
+        rollout, _ = generate_rollout(models, hybrid, batch, gen, seed=seed + i, min_answer_len=1)
+        mask = rollout.action_mask.float()
+        if models.ref is not None:
+            logp = answer_logprobs(models.actor, rollout, p.temperature)
+            ref = answer_logprobs(models.ref, rollout, p.temperature)
+            cols["kl"] += ((logp - ref) * mask).sum(-1).tolist()  # per-sequence KL estimate (k1 summed)
+        mixed = scorer(rollout, batch)
+        cols["scores"] += mixed.total.tolist()
+        for name in names:
+            cols[name] += mixed.per_func[name].tolist()
+        cols["length"] += mask.sum(-1).tolist()
+        cols["eos"] += rollout.reached_eos.float().tolist()
+    models.actor.train()
+    gathered = E.gather_objects(cols)
+    t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
+
+    def mean(x: torch.Tensor) -> float | None:
+        return x.mean().item() if len(x) else None
+
+    s = t["scores"]
+    std = s.std().item() if len(s) > 1 else 0.0
+    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s), "reward_se": std / math.sqrt(max(len(s), 1)),
+                           "reward_std": std, "kl": mean(t["kl"]), "answer_length": mean(t["length"]),
+                           "eos_rate": mean(t["eos"]), "eval_prompts": len(s)}
+    if names != [RM]:
+        out.update({f"reward/{n}": mean(t[n]) for n in names})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- run
+def run(cfg: RLHFConfig) -> dict[str, Any]:
+    p, d, g = cfg.ppo, cfg.data, cfg.grpo
+    check_config(cfg)
+    grpo = p.algo == "grpo"
+    stage = begin_stage(cfg, "step3_rlhf", "output/step3_grpo" if grpo else "output/step3_rlhf")
+    tok = load_tokenizer(resolve_model(cfg.models.actor_model), cfg.models.trust_remote_code)
+    quiet = stage.log if E.is_main() else (lambda _: None)
+    if grpo and not d.data:  # the embedded demo's GRPO data: arithmetic prompts with checkable answers
+        d = replace(d, data=[str(demo_files()["prompts"])])
+    with E.main_process_first():
+        data = load_phase(d, 3, tok, cfg.run.seed, log=quiet)
+    if grpo:
+        check_reward_data(reward_func_names(cfg), data.train + data.eval)
+    collator = DataCollatorRLHF(tok.pad_token_id)
+    prompts = train_loader(data.train, p.per_device_generation_batch_size, collator, cfg.run.seed)
+    evals = eval_loader(data.eval, p.per_device_eval_batch_size, collator)
+    if grpo:  # one prompt batch per update, each prompt with G completions, mu passes
+        total_updates = len(prompts) * p.num_train_epochs
+        rows_per_update = p.per_device_generation_batch_size * g.num_generations
+        micro_per_update = g.num_iterations * math.ceil(rows_per_update / p.per_device_training_batch_size)
+    else:
+        total_updates = max(1, len(prompts) // p.generation_batches) * p.num_train_epochs
+        rows_per_update = p.per_device_generation_batch_size * p.generation_batches
+        micro_per_update = p.ppo_epochs * math.ceil(rows_per_update / p.per_device_training_batch_size)
+    if p.max_steps > 0:
+        total_updates = min(total_updates, p.max_steps)
+    # The mixed pretraining loss takes its own actor step after each PPO micro-batch (as DeepSpeed-Chat does).
+    optimizer_steps = max(1, total_updates * micro_per_update * (2 if p.unsup_data else 1)
+                          // p.gradient_accumulation_steps)
+
+    models = build_models(cfg, optimizer_steps)
+    hybrid = make_hybrid_engine(models.actor, tok, cfg.models.enable_hybrid_engine)
+    retok = None if models.reward_tokenizer is None or same_tokenizer(tok, models.reward_tokenizer) else \
+        Retokenizer(tok, models.reward_tokenizer, d.max_prompt_seq_len + p.max_answer_seq_len)
+    scorer = build_scorer(cfg, models, retok)
+    gen = GenerationConfig(max_new_tokens=p.max_answer_seq_len, do_sample=True, temperature=p.temperature,
+                           top_p=p.top_p, top_k=p.top_k)
+    kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \
+        else L.FixedKLController(p.kl_ctl)
+    ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
+    unsup = None
+    if p.unsup_data:
+        unsup_args = DataArgs(data=p.unsup_data, data_split="1,0,0", max_seq_len=d.max_seq_len, eval_fraction=0.0,
+                              mask_prompt=False, data_cache_dir=d.data_cache_dir)
+        with E.main_process_first():
+            unsup_rows = load_phase(unsup_args, 1, tok, cfg.run.seed, log=quiet).train
+        unsup = cycle(train_loader(unsup_rows, p.per_device_training_batch_size, DataCollatorSFT(tok.pad_token_id),
+                                   cfg.run.seed))
+    if grpo:
+        algo = (f"GRPO loss {g.loss_type}, G {g.num_generations}, mu {g.num_iterations}, beta {g.beta}, rewards "
+                + " + ".join(f"{w:g}*{n}" for n, w in zip(scorer.mixer.names, scorer.mixer.weights, strict=True))
+                + (", dynamic sampling" if dynamic_sampling_of(g) else ""))
+    else:
+        algo = f"PPO, reward {cfg.models.reward_model}, ZeRO critic {cfg.engines.critic_zero_stage}"
+    stage.log(f"actor {cfg.models.actor_model} | {algo} | prompts {len(data.train)} (eval {len(data.eval)}) | "
+              f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
+              f"{cfg.engines.actor_zero_stage} | world {E.world_size()}")
+
+    before = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer) if data.eval else {}
+    tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=p.algo)
+    if before:
+        tracker.log(0, _eval_scalars(before))
+
+    shuffle = torch.Generator().manual_seed(cfg.run.seed)
+    stream = prompt_stream(prompts)
+    step, dropped_total = 0, 0
+    while step < total_updates:
+        if grpo:
+            metrics, dropped = grpo_step(models, hybrid, scorer, stream, g, p, gen, shuffle, ema)
+        else:
+            metrics, dropped = ppo_step(models, hybrid, stream, p, gen, kl_ctl, retok, shuffle, unsup, ema,
+                                        rows_per_update)
+        step += 1
+        dropped_total += dropped
+        metrics["train/dropped_short_answers"] = dropped_total
+        for name, value in metrics.items():
+            if name.endswith("loss"):
+                _check_finite(value, step, name)
+        if step % cfg.run.log_interval == 0 or step == total_updates:
+            tracker.log(step, metrics)
+        tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
+        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
+            mid = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer)
+            tracker.log(step, _eval_scalars(mid))
+
+    after = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer) if data.eval else {}
+    if after:
+        tracker.log(step, _eval_scalars(after))
+    tracker.close()
+    save_hf(models.actor, tok, stage.output_dir / "actor")
+    if models.critic is not None:
+        save_hf(models.critic, tok, stage.output_dir / "critic")
+    if ema is not None:
+        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.state)
+    metrics = {
+        "algo": p.algo,
+        "reward_before": before.get("reward"), "reward_after": after.get("reward"),
+        "reward_before_se": before.get("reward_se"), "reward_after_se": after.get("reward_se"),
+        "reward_gain": (after["reward"] - before["reward"]) if before and after else None,
+        "reward_gain_se": paired_se(before["scores"], after["scores"]) if before and after else None,
+        "kl_before": before.get("kl"), "kl_after": after.get("kl"),
+        "answer_length_before": before.get("answer_length"), "answer_length_after": after.get("answer_length"),
+        "eos_rate_before": before.get("eos_rate"), "eos_rate_after": after.get("eos_rate"),
+        "eval_prompts": after.get("eval_prompts"), "steps": step, "dropped_short_answers": dropped_total,
+        **data.counts, "sources": data.sources,
+    }
+    if grpo:
+        metrics.update({"loss_type": g.loss_type, "reward_funcs": scorer.mixer.names,
+                        "reward_weights": scorer.mixer.weights})
+        for name in scorer.mixer.names:
+            if f"reward/{name}" in after:  # per-source means when there is more than the reward model
+                metrics[f"reward_{name}_before"] = before.get(f"reward/{name}")
+                metrics[f"reward_{name}_after"] = after[f"reward/{name}"]
+    if E.is_main():
+        write_eval(stage.output_dir, metrics)
+        if before and after:
+            kl = f" | KL {after['kl']:.3f}" if after["kl"] is not None else ""
+            stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
+                      f"{after['reward_se']:.3f} (gain {metrics['reward_gain']:.3f} ± {metrics['reward_gain_se']:.3f})"
+                      f"{kl} | saved {stage.output_dir}")
+    return metrics
+
+
+def _eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
+    return {f"eval/{k}": v for k, v in result.items() if k != "scores"}
+
+
+def paired_se(before: list[float], after: list[float]) -> float:
+    """Standard error of the mean reward gain: both evaluations answer the same prompts (with the same sampling
+    seeds), so the per-prompt differences are paired."""
+    diff = torch.tensor(after) - torch.tensor(before)
+    return diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+
+
+def _check_finite(value: float, step: int, name: str) -> None:
+    if not math.isfinite(value):
+        raise UserError(f"{name} became {value} at step {step}; stopping (lower the learning rates)")
+
+
+command = stage_command("step3_rlhf", RLHFConfig, run,
+                        help="Stage 3: RLHF with PPO (SPEC section 5) or the GRPO family (--algo grpo, SPEC 6).")
 
 if __name__ == "__main__":
     run_command(command)

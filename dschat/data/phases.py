@@ -12,6 +12,7 @@ shapes it, so a changed file, split, seed, tokenizer or length never reuses a st
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -75,9 +76,16 @@ def demo_sources() -> list[DataSpec]:
     return [DataSpec(str(demo_files()["pairwise"]))]
 
 
+# Seed of the SFT warm-up rows of the GRPO demo: not the prompts' seed 0, so GRPO's held-out prompts were never
+# seen with their worked answers during SFT.
+PROMPTS_SFT_SEED = 1
+
+
 def demo_files() -> dict[str, Path]:
-    """The demo files (pairwise, prompts, judge), in a cache folder keyed by the generator's source, so an
-    edited corpus never reuses stale files."""
+    """The demo files, in a cache folder keyed by the generator's source, so an edited corpus never reuses stale
+    files: ``pairwise``, ``prompts`` (GRPO prompt-only rows), ``judge`` (RM-R1 rows) and ``prompts_sft``
+    (prompt/response rows of other arithmetic prompts with worked ``<think>..</think><answer>..</answer>``
+    completions, to warm up the format with SFT before GRPO)."""
     import hashlib
 
     from dschat.demo import corpus
@@ -87,7 +95,12 @@ def demo_files() -> dict[str, Path]:
     names = {"pairwise": "pairwise.jsonl", "prompts": "prompts.jsonl", "judge": "judge.jsonl"}
     if not all((folder / n).exists() for n in names.values()):
         corpus.write_demo_files(folder)
-    return {k: folder / n for k, n in names.items()}
+    files = {k: folder / n for k, n in names.items()}
+    files["prompts_sft"] = folder / f"prompts_sft-seed{PROMPTS_SFT_SEED}.jsonl"
+    if not files["prompts_sft"].exists():
+        rows = corpus.generate_prompts(seed=PROMPTS_SFT_SEED, with_solution=True)
+        corpus.write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["prompts_sft"])
+    return files
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -161,10 +174,12 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
         else:
             usable.append(ex)
     prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], special=True)
+    bos = tokenizer.bos_token_id
+    if bos is not None:  # chat templates that write BOS themselves (Llama-2/3) must not get a second one
+        prompts = [ids[1:] if len(ids) > 1 and ids[0] == ids[1] == bos else ids for ids in prompts]
     rows: list[dict[str, Any]] = []
     if phase == 3:
         keep = data.max_prompt_seq_len
-        bos = tokenizer.bos_token_id
         for ex, ids in zip(usable, prompts, strict=True):
             if len(ids) > keep:
                 counts["truncated_prompt"] += 1
@@ -259,7 +274,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     result = PhaseData(phase, train, evals, dict(counts), sources)
     if use_cache:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{id(result)}")
+        tmp = cache_file.with_suffix(f".tmp-{os.getpid()}-{random.getrandbits(32):08x}")
         torch.save(result.__dict__, tmp)
         tmp.replace(cache_file)
     return result
