@@ -47,7 +47,7 @@ from dschat.rlhf import (
     reward_scores,
     same_tokenizer,
 )
-from dschat.stage import begin_stage, eval_loader, to_device, train_loader
+from dschat.stage import begin_stage, eval_loader, lockstep_batches, to_device, train_loader
 from dschat.tracking import RunTracker, write_eval
 
 TINY_PARAMS = 50_000_000  # below this, a model is a from-scratch toy and takes toy-sized learning rates
@@ -747,15 +747,21 @@ def evaluate(models: Models, hybrid: Any, loader: Any, p: PPOArgs, gen: Generati
     names = scorer.mixer.names
     cols: dict[str, list[float]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
     models.actor.eval()
-    for i, batch in enumerate(loader):
+    # Lockstep: under ZeRO-3 the gather around generate and every forward are collectives on all ranks.
+    for i, (batch, real) in enumerate(lockstep_batches(loader)):
         batch = to_device(batch, E.device())
         rollout, _ = generate_rollout(models, hybrid, batch, gen, seed=seed + i, min_answer_len=1)
         mask = rollout.action_mask.float()
+        kl = None
         if models.ref is not None:
             logp = answer_logprobs(models.actor, rollout, p.temperature)
             ref = answer_logprobs(models.ref, rollout, p.temperature)
-            cols["kl"] += ((logp - ref) * mask).sum(-1).tolist()  # per-sequence KL estimate (k1 summed)
+            kl = ((logp - ref) * mask).sum(-1)  # per-sequence KL estimate (k1 summed over tokens)
         mixed = scorer(rollout, batch)
+        if not real:
+            continue
+        if kl is not None:
+            cols["kl"] += kl.tolist()
         cols["scores"] += mixed.total.tolist()
         for name in names:
             cols[name] += mixed.per_func[name].tolist()
