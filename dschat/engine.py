@@ -29,7 +29,9 @@ def setup_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" not in os.environ:
+    # Under a launcher all four are set. A bare WORLD_SIZE alone (e.g. inherited from a parent process that
+    # set up its own world of one) must not send DeepSpeed looking for MPI.
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         # No launcher: a world of one. An in-memory store needs no port, so concurrent runs cannot collide.
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ[key] = value
