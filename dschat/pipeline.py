@@ -47,7 +47,7 @@ DEMO_ARGS = {
 GRPO_DEMO_ARGS = {
     "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
     "grpo": ["--algo", "grpo", "--reward-funcs", "format", "--reward-funcs", "accuracy", "--data-split", "0,0,1",
-             "--max-steps", "100", "--num-train-epochs", "2", "--num-generations", "4",
+             "--max-steps", "100", "--num-generations", "4",
              "--per-device-generation-batch-size", "16", "--per-device-training-batch-size", "16",
              "--max-answer-seq-len", "32", "--actor-learning-rate", "2e-4", "--eval-fraction", "0.2",
              "--max-eval-rows", "200", "--per-device-eval-batch-size", "50"],

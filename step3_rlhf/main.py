@@ -96,7 +96,8 @@ class PPOArgs:
     generation_batches: int = arg(1, "Generation batches collected before each PPO update (PPO only).")
     ppo_epochs: int = arg(1, "Passes over each batch of experience (PPO; GRPO uses --num-iterations).")
     num_train_epochs: int = arg(1, "Passes over the prompts.")
-    max_steps: int = arg(-1, "Stop after this many PPO/GRPO updates (-1: run all epochs).")
+    max_steps: int = arg(-1, "PPO/GRPO updates to run; overrides --num-train-epochs, as in the other stages (-1: "
+                             "run all epochs).")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
     actor_learning_rate: float | None = arg(None, "Actor learning rate (default 1e-4 for tiny models, else 1e-6).")
     critic_learning_rate: float | None = arg(None, "Critic learning rate (default 5e-4 for tiny models, else 5e-6).")
@@ -645,6 +646,7 @@ def make_groups(models: Models, hybrid: Any, scorer: Scorer, stream: Iterator[di
     n_groups = int(-E.all_reduce_max(torch.tensor(-float(n_kept))).item())  # the fewest on any rank
 
     cat = {k: torch.cat(v) for k, v in seen.items()}
+    # reward_std is the mean within-group std (the spread GRPO learns from); a zero-std group gives no gradient.
     stats = {"train/reward": cat["reward"].mean().item(), "train/reward_std": cat["group_std"].mean().item(),
              "train/frac_reward_zero_std": (cat["group_std"] == 0).float().mean().item(),
              "train/answer_length": cat["length"].mean().item(), "train/eos_rate": cat["eos"].mean().item(),
@@ -809,8 +811,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         total_updates = max(1, len(prompts) // p.generation_batches) * p.num_train_epochs
         rows_per_update = p.per_device_generation_batch_size * p.generation_batches
         micro_per_update = p.ppo_epochs * math.ceil(rows_per_update / p.per_device_training_batch_size)
-    if p.max_steps > 0:
-        total_updates = min(total_updates, p.max_steps)
+    if p.max_steps > 0:  # the prompt stream cycles epochs, so any number of updates can run
+        total_updates = p.max_steps
     # The mixed pretraining loss takes its own actor step after each PPO micro-batch (as DeepSpeed-Chat does).
     optimizer_steps = max(1, total_updates * micro_per_update * (2 if p.unsup_data else 1)
                           // p.gradient_accumulation_steps)
