@@ -155,6 +155,36 @@ def resumable_batches(loader: DataLoader, epochs: int, start_epoch: int = 0,
             yield epoch, done, batch
 
 
+class EpochStream:
+    """Batches of epoch 0, 1, 2, ... without end (the caller stops by its own step count), counting the batches
+    handed out so a resumed run continues at the very batch an uninterrupted one would see next.
+
+    Stage 3 draws prompt batches from it: a step may take more than one (PPO's generation batches, GRPO's
+    dynamic sampling), so the position is a batch count rather than a step.
+    """
+
+    def __init__(self, loader: DataLoader, consumed: int = 0, what: str = "batches"):
+        if len(loader) == 0:
+            raise UserError(f"no {what} on this rank (fewer rows than ranks?)")
+        self.loader, self.consumed = loader, consumed
+        self._batches = self._generate()
+
+    def _generate(self) -> Iterator[Any]:
+        epoch, skip = divmod(self.consumed, len(self.loader))
+        while True:
+            self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            for batch in itertools.islice(self.loader, skip, None):
+                self.consumed += 1
+                yield batch
+            epoch, skip = epoch + 1, 0
+
+    def __iter__(self) -> EpochStream:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+
 class Interrupted(UserError):
     """Ctrl-C: the state was saved; exit 130 like any interrupted command."""
 
@@ -170,3 +200,44 @@ def save_on_interrupt(save: Callable[[], Path | None]) -> Iterator[None]:
         path = save()
         where = f"saved {path}; continue with --resume" if path else "nothing to save yet"
         raise Interrupted(f"interrupted: {where}") from None
+
+
+class StopRequest:
+    """Set by the first Ctrl-C inside ``stop_after_step``; read once per step with ``requested()``."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def requested(self) -> bool:
+        """Whether any rank was interrupted (collective: every rank must call it at the same step, so all of them
+        stop at the same step rather than leaving the others in a collective)."""
+        return bool(E.all_reduce_max(torch.tensor(float(self.flag))).item())
+
+
+@contextlib.contextmanager
+def stop_after_step(log: Callable[[str], None]) -> Iterator[StopRequest]:
+    """Ctrl-C ends the run at the next step boundary instead of mid-step.
+
+    A stage-3 step is long (generation, scoring, several optimizer steps); a state saved half-way through it
+    would not be the state of any step. The first SIGINT only sets a flag the loop polls after each step (then
+    it saves and raises ``Interrupted``); a second one stops at once without saving.
+    """
+    import signal
+
+    stop = StopRequest()
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.flag:
+            raise Interrupted("interrupted twice: stopped without saving a state")
+        stop.flag = True
+        log("interrupt: saving a state after this step (Ctrl-C again to stop without one)")
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual
+        yield stop
+        return
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -18,8 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from itertools import cycle
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -31,12 +30,14 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
-from dschat.config import DataArgs, EngineArgs, OptimArgs, RunArgs, arg
+from dschat.config import DataArgs, EngineArgs, LoraArgs, OptimArgs, RunArgs, arg
 from dschat.data import DataCollatorRLHF, DataCollatorSFT, load_phase
 from dschat.data.phases import demo_files
 from dschat.errors import UserError
 from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
+from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rlhf import (
     Retokenizer,
@@ -47,7 +48,17 @@ from dschat.rlhf import (
     reward_scores,
     same_tokenizer,
 )
-from dschat.stage import begin_stage, eval_loader, lockstep_batches, to_device, train_loader
+from dschat.stage import (
+    EpochStream,
+    Interrupted,
+    begin_stage,
+    check_finite,
+    eval_loader,
+    lockstep_batches,
+    stop_after_step,
+    to_device,
+    train_loader,
+)
 from dschat.tracking import RunTracker, write_eval
 
 TINY_PARAMS = 50_000_000  # below this, a model is a from-scratch toy and takes toy-sized learning rates
@@ -159,9 +170,40 @@ class GRPOArgs:
 
 
 @dataclass
+class RLLoraArgs:
+    """LoRA per trained model (SPEC: ``--actor-lora-dim``, ``--critic-lora-dim``, ...); ``LoraArgs`` of one model
+    comes from ``lora_of``. The frozen reference and reward models never get adapters."""
+
+    actor_lora_dim: int = arg(0, "Actor LoRA rank (0: train the full actor).")
+    actor_lora_alpha: float = arg(16.0, "Actor LoRA scaling numerator (update = B @ A * alpha / r).")
+    actor_lora_dropout: float = arg(0.0, "Dropout on the actor's LoRA branch input.")
+    actor_lora_module_name: str = arg("all-linear", "Actor layers that get adapters: 'all-linear' or "
+                                                    "comma-separated module-name substrings, e.g. 'q_proj,v_proj'.")
+    actor_only_optimize_lora: bool = arg(True, "Train only the actor's adapters (false: the base weights too).")
+    actor_lora_learning_rate: float | None = arg(None, "Learning rate of the actor's adapters (default: "
+                                                       "--actor-learning-rate).")
+    critic_lora_dim: int = arg(0, "Critic LoRA rank (0: train the full critic). PPO only.")
+    critic_lora_alpha: float = arg(16.0, "Critic LoRA scaling numerator.")
+    critic_lora_dropout: float = arg(0.0, "Dropout on the critic's LoRA branch input.")
+    critic_lora_module_name: str = arg("all-linear", "Critic layers that get adapters (as for the actor; never "
+                                                     "the v_head, which always trains).")
+    critic_only_optimize_lora: bool = arg(True, "Train only the critic's adapters and v_head.")
+    critic_lora_learning_rate: float | None = arg(None, "Learning rate of the critic's adapters (default: "
+                                                        "--critic-learning-rate).")
+    save_adapter: bool = arg(False, "Also save each LoRA model's unmerged PEFT adapter in its folder's adapter/.")
+
+
+def lora_of(la: RLLoraArgs, who: str) -> LoraArgs:
+    """The ``LoraArgs`` of ``who`` ('actor' or 'critic') from its prefixed flags."""
+    return LoraArgs(**{f.name: getattr(la, f"{who}_{f.name}") for f in fields(LoraArgs) if f.name != "save_adapter"},
+                    save_adapter=la.save_adapter)
+
+
+@dataclass
 class RLHFConfig:
     models: RLModelArgs = field(default_factory=RLModelArgs)
     engines: RLEngineArgs = field(default_factory=RLEngineArgs)
+    lora: RLLoraArgs = field(default_factory=RLLoraArgs)
     ppo: PPOArgs = field(default_factory=PPOArgs)
     grpo: GRPOArgs = field(default_factory=GRPOArgs)
     data: DataArgs = field(default_factory=DataArgs)
@@ -234,6 +276,14 @@ def _lr(given: float | None, n_params: int, tiny: float, real: float) -> float:
     return tiny if n_params < TINY_PARAMS else real
 
 
+def _optim(p: PPOArgs, who: str, lr: float) -> OptimArgs:
+    """The optimizer settings of ``who`` ('actor' or 'critic'): its own rate and weight decay, shared rest."""
+    return OptimArgs(learning_rate=lr, weight_decay=getattr(p, f"{who}_weight_decay"),
+                     lr_scheduler_type=p.lr_scheduler_type, num_warmup_steps=p.num_warmup_steps,
+                     max_grad_norm=p.max_grad_norm, per_device_train_batch_size=p.per_device_training_batch_size,
+                     gradient_accumulation_steps=p.gradient_accumulation_steps)
+
+
 def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
     """The engines the algorithm needs: PPO all four; GRPO the actor, the reference only when beta > 0 and the
     reward model only when 'rm' is a reward source (no critic)."""
@@ -251,17 +301,17 @@ def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
                         "reward model (or the actor) trained on the actor's tokenizer")
     dtype = E.resolve_dtype(m.dtype)
 
-    actor = create_causal_lm(actor_path, dtype, m.actor_dropout, m.actor_gradient_checkpointing, m.trust_remote_code)
-    n_actor = sum(t.numel() for t in actor.parameters())
-    actor_optim = OptimArgs(learning_rate=_lr(p.actor_learning_rate, n_actor, 1e-4, 1e-6),
-                            weight_decay=p.actor_weight_decay, lr_scheduler_type=p.lr_scheduler_type,
-                            num_warmup_steps=p.num_warmup_steps, max_grad_norm=p.max_grad_norm,
-                            per_device_train_batch_size=p.per_device_training_batch_size,
-                            gradient_accumulation_steps=p.gradient_accumulation_steps)
+    actor_lora = lora_of(cfg.lora, "actor")
+    actor = create_causal_lm(actor_path, dtype, m.actor_dropout, m.actor_gradient_checkpointing, m.trust_remote_code,
+                             lora=actor_lora)
+    actor_lr = _lr(p.actor_learning_rate, sum(t.numel() for t in actor.parameters()), 1e-4, 1e-6)
+    # DeepSpeed's hybrid engine fuses its own LoRA layers, not PEFT's: with actor LoRA the fallback generates.
     hybrid = {"max_out_tokens": cfg.data.max_prompt_seq_len + p.max_answer_seq_len} if m.enable_hybrid_engine \
-        and torch.cuda.is_available() else None
-    actor_engine = E.build_train_engine(actor, engine=EngineArgs(e.actor_zero_stage, e.offload), optim=actor_optim,
-                                        dtype=dtype, total_steps=total_steps, hybrid_engine=hybrid)
+        and torch.cuda.is_available() and not actor_lora.lora_dim else None
+    actor_engine = E.build_train_engine(actor, engine=EngineArgs(e.actor_zero_stage, e.offload),
+                                        optim=_optim(p, "actor", actor_lr), dtype=dtype, total_steps=total_steps,
+                                        hybrid_engine=hybrid, param_groups=lora_param_groups(
+                                            actor, p.actor_weight_decay, actor_lr, actor_lora.lora_learning_rate))
     ref_engine = None
     if need_ref:
         ref = create_causal_lm(actor_path, dtype, m.actor_dropout, False, m.trust_remote_code)
@@ -270,16 +320,15 @@ def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
 
     critic_engine = None
     if ppo:
+        critic_lora = lora_of(cfg.lora, "critic")
         critic = create_reward_model(critic_path, dtype, m.critic_dropout, m.critic_gradient_checkpointing,
-                                     tok.pad_token_id, m.trust_remote_code)
-        n_critic = sum(t.numel() for t in critic.parameters())
-        critic_optim = OptimArgs(learning_rate=_lr(p.critic_learning_rate, n_critic, 5e-4, 5e-6),
-                                 weight_decay=p.critic_weight_decay, lr_scheduler_type=p.lr_scheduler_type,
-                                 num_warmup_steps=p.num_warmup_steps, max_grad_norm=p.max_grad_norm,
-                                 per_device_train_batch_size=p.per_device_training_batch_size,
-                                 gradient_accumulation_steps=p.gradient_accumulation_steps)
+                                     tok.pad_token_id, m.trust_remote_code, lora=critic_lora)
+        critic_lr = _lr(p.critic_learning_rate, sum(t.numel() for t in critic.parameters()), 5e-4, 5e-6)
         critic_engine = E.build_train_engine(critic, engine=EngineArgs(e.critic_zero_stage, e.offload),
-                                             optim=critic_optim, dtype=dtype, total_steps=total_steps)
+                                             optim=_optim(p, "critic", critic_lr), dtype=dtype,
+                                             total_steps=total_steps, param_groups=lora_param_groups(
+                                                 critic, p.critic_weight_decay, critic_lr,
+                                                 critic_lora.lora_learning_rate))
     reward_engine, stats = None, None
     if need_reward:
         assert rm_tok is not None
@@ -360,18 +409,6 @@ def build_scorer(cfg: RLHFConfig, models: Models, retok: Retokenizer | None) -> 
     names = reward_func_names(cfg)
     funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names}
     return Scorer(RewardMixer(names, parse_weights(g.reward_weights), funcs), models, retok)
-
-
-def prompt_stream(loader: Any) -> Iterator[dict[str, Any]]:
-    """Prompt batches of epoch 0, 1, 2, ... without end; the loop stops by its update count. (GRPO's dynamic
-    sampling may draw more batches than steps.)"""
-    if len(loader) == 0:
-        raise UserError("no prompt batches on this rank (fewer prompts than ranks?)")
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
@@ -827,14 +864,14 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \
         else L.FixedKLController(p.kl_ctl)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
-    unsup = None
+    unsup_loader = None
     if p.unsup_data:
         unsup_args = DataArgs(data=p.unsup_data, data_split="1,0,0", max_seq_len=d.max_seq_len, eval_fraction=0.0,
                               mask_prompt=False, data_cache_dir=d.data_cache_dir)
         with E.main_process_first():
             unsup_rows = load_phase(unsup_args, 1, tok, cfg.run.seed, log=quiet).train
-        unsup = cycle(train_loader(unsup_rows, p.per_device_training_batch_size, DataCollatorSFT(tok.pad_token_id),
-                                   cfg.run.seed))
+        unsup_loader = train_loader(unsup_rows, p.per_device_training_batch_size, DataCollatorSFT(tok.pad_token_id),
+                                    cfg.run.seed)
     if grpo:
         algo = (f"GRPO loss {g.loss_type}, G {g.num_generations}, mu {g.num_iterations}, beta {g.beta}, rewards "
                 + " + ".join(f"{w:g}*{n}" for n, w in zip(scorer.mixer.names, scorer.mixer.weights, strict=True))
@@ -845,32 +882,69 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
               f"{cfg.engines.actor_zero_stage} | world {E.world_size()}")
 
-    before = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer) if data.eval else {}
-    tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=p.algo)
-    if before:
-        tracker.log(0, _eval_scalars(before))
-
+    # Actor and critic train; the reference and reward models are frozen and reload from their paths.
+    trained = {"actor": models.actor, **({"critic": models.critic} if models.critic is not None else {})}
+    ckpt = Checkpointer(stage.output_dir, trained, cfg.run.keep_checkpoints, tok)
+    state: dict[str, Any] = {}
+    resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
+    if resume_from is not None:
+        state, tensors = ckpt.load(resume_from)
+        tensors = tensors or {}
+        truncate_metrics(stage.output_dir, state["step"])
+        kl_ctl.value = state["kl_ctl"]
+        if ema is not None:
+            if "ema" not in tensors:
+                raise UserError(f"{resume_from}: saved without --enable-ema; resume without it or start over")
+            ema.state = tensors["ema"]
+        stage.log(f"resumed from {resume_from} (step {state['step']})")
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
-    stream = prompt_stream(prompts)
-    step, dropped_total = 0, 0
-    while step < total_updates:
-        if grpo:
-            metrics, dropped = grpo_step(models, hybrid, scorer, stream, g, p, gen, shuffle, ema)
-        else:
-            metrics, dropped = ppo_step(models, hybrid, stream, p, gen, kl_ctl, retok, shuffle, unsup, ema,
-                                        rows_per_update)
-        step += 1
-        dropped_total += dropped
-        metrics["train/dropped_short_answers"] = dropped_total
-        for name, value in metrics.items():
-            if name.endswith("loss"):
-                _check_finite(value, step, name)
-        if step % cfg.run.log_interval == 0 or step == total_updates:
-            tracker.log(step, metrics)
-        tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
-        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
-            mid = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer)
-            tracker.log(step, _eval_scalars(mid))
+    if "shuffle" in state:
+        shuffle.set_state(tensors["shuffle"])
+    stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
+    unsup = None if unsup_loader is None else \
+        EpochStream(unsup_loader, state.get("unsup_batches", 0), what="--unsup-data batches")
+
+    before = state.get("before") or (evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer)
+                                     if data.eval else {})
+    tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=p.algo)
+    if before and resume_from is None:
+        tracker.log(0, _eval_scalars(before))
+    step, dropped_total = state.get("step", 0), state.get("dropped_short_answers", 0)
+    tracker.advance(step)
+
+    def save_state() -> Any:
+        if any(eng.micro_steps % p.gradient_accumulation_steps for eng in trained.values()):
+            # DeepSpeed checkpoints hold no partial gradients: a state is only exact at an optimizer step.
+            stage.log(f"no state at update {step}: it ends inside a gradient-accumulation window")
+            return None
+        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.state} if ema is not None else {})}
+        position = {"prompt_batches": stream.consumed, "unsup_batches": unsup.consumed if unsup is not None else 0}
+        return ckpt.save(step, {**position, "kl_ctl": kl_ctl.value, "dropped_short_answers": dropped_total,
+                                "before": before, "shuffle": True}, tensors=extra)
+
+    with stop_after_step(stage.log) as stop:
+        while step < total_updates:
+            if grpo:
+                metrics, dropped = grpo_step(models, hybrid, scorer, stream, g, p, gen, shuffle, ema)
+            else:
+                metrics, dropped = ppo_step(models, hybrid, stream, p, gen, kl_ctl, retok, shuffle, unsup, ema,
+                                            rows_per_update)
+            step += 1
+            dropped_total += dropped
+            metrics["train/dropped_short_answers"] = dropped_total
+            for name, value in metrics.items():
+                if name.endswith("loss"):
+                    check_finite(value, step, name)
+            if step % cfg.run.log_interval == 0 or step == total_updates:
+                tracker.log(step, metrics)
+            tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
+            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
+                mid = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer)
+                tracker.log(step, _eval_scalars(mid))
+            if stop.requested() and step < total_updates and (saved := save_state()) is not None:
+                raise Interrupted(f"interrupted: saved {saved}; continue with --resume")
+            if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_updates:
+                save_state()
 
     after = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer) if data.eval else {}
     if after:
@@ -919,11 +993,6 @@ def paired_se(before: list[float], after: list[float]) -> float:
     seeds), so the per-prompt differences are paired."""
     diff = torch.tensor(after) - torch.tensor(before)
     return diff.std().item() / math.sqrt(len(diff)) if len(diff) > 1 else float("nan")
-
-
-def _check_finite(value: float, step: int, name: str) -> None:
-    if not math.isfinite(value):
-        raise UserError(f"{name} became {value} at step {step}; stopping (lower the learning rates)")
 
 
 command = stage_command("step3_rlhf", RLHFConfig, run,
