@@ -54,6 +54,9 @@ class DataArgs:
     eval_fraction: float = arg(0.05, "Held-out fraction for evaluation when a dataset has no test split.")
     max_eval_rows: int = arg(400, "Cap on evaluation rows per stage (0 = no cap).")
     mask_prompt: bool = arg(True, "Mask prompt tokens out of the SFT loss.")
+    judge_system_prompt: str = arg("", "File whose text opens every judge-pairwise row (context_messages + winner) "
+                                       "that has no system message, as its system message (an RM-R1 rubric); "
+                                       "rows with their own keep it.")
 
 
 @dataclass

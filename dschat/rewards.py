@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dschat.errors import UserError
+from dschat.judge import LETTER_OF, TAIL_CHARS, parse_verdict
 from dschat.losses import overlong_penalty
 
 RewardFunc = Callable[..., list[float]]
@@ -39,7 +40,7 @@ RewardFunc = Callable[..., list[float]]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RM = "rm"  # the reward model's end score, computed by stage 3
-JUDGE_TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the judge's completion only
+JUDGE_TAIL_CHARS = TAIL_CHARS  # RM-R1 reads the verdict from the end of the judge's completion only
 
 # ``<think>...</think>`` then ``<answer>...</answer>``, whitespace allowed around and between them (the demo
 # completions start with a space). The tag counts are checked separately, so ".*" may not hide a second pair.
@@ -121,9 +122,6 @@ def accuracy_reward(prompts: list[str], completions: list[str], answer: Sequence
     return out
 
 
-_VERDICT = {"model_a": "<answer>[[A]]</answer>", "model_b": "<answer>[[B]]</answer>"}
-
-
 def judge_match_reward(prompts: list[str], completions: list[str], winner: Sequence[Any] | None = None,
                        answer: Sequence[Any] | None = None, **row_fields: Any) -> list[float]:
     """RM-R1 (Chen et al. 2025): +1 when the last 80 characters of the completion hold the verdict for the
@@ -134,14 +132,10 @@ def judge_match_reward(prompts: list[str], completions: list[str], winner: Seque
     The winner comes from the ``winner`` field, else from ``answer`` (a judge row's ground truth).
     """
     labels = winner if winner is not None and all(w is not None for w in winner) else answer
-    if labels is None or any(w not in _VERDICT for w in labels):
+    if labels is None or any(w not in LETTER_OF for w in labels):
         raise UserError("reward 'judge_match' needs judge rows whose 'winner' is 'model_a' or 'model_b'")
-    out = []
-    for text, w in zip(completions, labels, strict=True):
-        tail = text[-JUDGE_TAIL_CHARS:]
-        other = "model_b" if w == "model_a" else "model_a"
-        out.append(1.0 if _VERDICT[w] in tail and _VERDICT[other] not in tail else -1.0)
-    return out
+    # The verdict rule lives in dschat.judge, so `dschat eval --judge` scores exactly what training rewards.
+    return [1.0 if parse_verdict(text) == LETTER_OF[w] else -1.0 for text, w in zip(completions, labels, strict=True)]
 
 
 def overlong_reward(max_len: int, buffer: int, factor: float = 1.0) -> RewardFunc:

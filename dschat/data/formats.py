@@ -197,7 +197,11 @@ def parse_row(row: dict[str, Any], fmt: str) -> Example:
         winner = _get(row, "winner")
         if winner not in ("model_a", "model_b"):
             raise UserError(f"{where}: field 'winner' must be 'model_a' or 'model_b', got {winner!r}")
-        return Example(msgs, answer=winner, extra=extra, where=where)
+        # An optional target judge completion (RM-R1's distilled reasoning) makes the row an SFT row for the
+        # cold start too, so one file serves stage 1 and GRPO.
+        response = _get(row, "response", "completion", required=False)
+        chosen = None if response is None else _assistant_text(row, response, "response")
+        return Example(msgs, chosen=chosen, answer=winner, extra=extra, where=where)
     raise ValueError(f"unknown format {fmt}")
 
 

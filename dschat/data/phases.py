@@ -22,6 +22,7 @@ from typing import Any
 from dschat.config import DataArgs
 from dschat.data.formats import (
     FORMATS,
+    JUDGE,
     Dropped,
     Example,
     describe_keys,
@@ -32,6 +33,7 @@ from dschat.data.formats import (
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.errors import UserError
+from dschat.judge import inject_system_prompt, read_system_prompt
 from dschat.utils import cache_root, stable_hash
 
 CACHE_VERSION = 1  # bump when tokenization logic changes, so old caches are never read
@@ -81,11 +83,20 @@ def demo_sources() -> list[DataSpec]:
 PROMPTS_SFT_SEED = 1
 
 
+# Seeds of the judge demo's other files: the cold-start SFT rows and the held-out evaluation rows are drawn from
+# streams of their own, so neither shares a row with the GRPO judge rows (seed 0) or with each other.
+JUDGE_SFT_SEED = 1
+JUDGE_EVAL_SEED = 2
+JUDGE_EVAL_ROWS = 300
+
+
 def demo_files() -> dict[str, Path]:
     """The demo files, in a cache folder keyed by the generator's source, so an edited corpus never reuses stale
     files: ``pairwise``, ``prompts`` (GRPO prompt-only rows), ``judge`` (RM-R1 rows) and ``prompts_sft``
     (prompt/response rows of other arithmetic prompts with worked ``<think>..</think><answer>..</answer>``
-    completions, to warm up the format with SFT before GRPO)."""
+    completions, to warm up the format with SFT before GRPO); ``judge_sft`` (judge rows with a cold-start
+    ``response`` whose verdict is random: SFT teaches the format, not the judging) and ``judge_eval`` (held-out
+    judge rows for ``dschat eval --judge``)."""
     import hashlib
 
     from dschat.demo import corpus
@@ -100,6 +111,13 @@ def demo_files() -> dict[str, Path]:
     if not files["prompts_sft"].exists():
         rows = corpus.generate_prompts(seed=PROMPTS_SFT_SEED, with_solution=True)
         corpus.write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["prompts_sft"])
+    files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}.jsonl"
+    if not files["judge_sft"].exists():
+        corpus.write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts="random"),
+                           files["judge_sft"])
+    files["judge_eval"] = folder / f"judge_eval-seed{JUDGE_EVAL_SEED}.jsonl"
+    if not files["judge_eval"].exists():
+        corpus.write_jsonl(corpus.generate_judge_pairs(JUDGE_EVAL_ROWS, seed=JUDGE_EVAL_SEED), files["judge_eval"])
     return files
 
 
@@ -117,7 +135,8 @@ def _weighted(rows: list[Any], weight: float) -> list[Any]:
 
 
 def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: int, phase: int,
-                    data: DataArgs) -> tuple[str, list[Example], list[Example], Counter[str]]:
+                    data: DataArgs, judge_system: str | None = None) -> tuple[str, list[Example], list[Example],
+                                                                              Counter[str]]:
     counts: Counter[str] = Counter()
     if not raw.train:
         raise UserError(f"{raw.name}: no rows")
@@ -130,9 +149,14 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
         out = []
         for row in rows:
             try:
-                out.append(parse_row(row, fmt))
+                ex = parse_row(row, fmt)
             except Dropped as d:
                 counts[f"dropped_{d.reason}"] += 1
+                continue
+            if fmt == JUDGE and judge_system:
+                # The rubric goes first and the A/B answers stay where they are (positions are the label).
+                ex.prompt = inject_system_prompt(ex.prompt, judge_system)  # type: ignore[arg-type]
+            out.append(ex)
         return out
 
     part = [raw.train[i] for i in split_indices(len(raw.train), split, seed, phase)]
@@ -226,6 +250,10 @@ def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list
         "max_seq_len": data.max_seq_len, "max_prompt_seq_len": data.max_prompt_seq_len,
         "eval_fraction": data.eval_fraction, "max_eval_rows": data.max_eval_rows,
         "mask_prompt": data.mask_prompt, "tokenizer": tokenizer_fingerprint(tokenizer),
+        # The rubric's text, not its path: an edited rubric file must not reuse a stale cache. Absent when unset,
+        # so caches made before the flag existed stay valid.
+        **({"judge_system_prompt": read_system_prompt(data.judge_system_prompt)} if data.judge_system_prompt
+           else {}),
     }, n=24)
 
 
@@ -235,6 +263,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     import torch
 
     split = parse_split(data.data_split)
+    judge_system = read_system_prompt(data.judge_system_prompt) if data.judge_system_prompt else None
     specs = [DataSpec.parse(d) for d in data.data] if data.data else demo_sources()
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
     key = cache_key(data, phase, tokenizer, seed, specs)
@@ -254,7 +283,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     sources = []
     for spec in specs:
         raw = load_source(spec)
-        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data)
+        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data, judge_system)
         counts.update(c)
         before = len(train)
         train += tokenize_examples(tr, phase, tokenizer, data, counts)

@@ -961,6 +961,44 @@ def generate_judge_pairs(
     return rows
 
 
+# The cold-start judge completion: a fixed analysis in the row's language, then the verdict. RM-R1 distils
+# question-specific reasoning from a stronger model first; the demo has no teacher, so its cold start teaches only
+# the format (the think block, the verdict tags) and leaves the judging itself to GRPO.
+_ZH_JUDGE_THINK = "比较两个回答是否体谅顾客、给出具体的处理步骤，并说明订单号或处理时限。"
+_EN_JUDGE_THINK = "Compare empathy, a concrete next step, and the order number or a time frame."
+
+
+def judge_completion(verdict: str, english: bool) -> str:
+    """A judge completion in RM-R1's format: ``<think>...</think>\n<answer>[[A]]</answer>`` (or ``[[B]]``)."""
+    if verdict not in ("A", "B"):
+        raise ValueError(f"verdict must be 'A' or 'B', got {verdict!r}")
+    think = _EN_JUDGE_THINK if english else _ZH_JUDGE_THINK
+    return f"{THINK_OPEN}{think}{THINK_CLOSE}\n{ANSWER_OPEN}[[{verdict}]]{ANSWER_CLOSE}"
+
+
+def generate_judge_cold_start(
+    n: int = DEFAULT_JUDGE_ROWS, seed: int = 1, verdicts: str = "random", english_ratio: float = 0.2
+) -> list[dict[str, object]]:
+    """Judge rows (as ``generate_judge_pairs``) with a ``response``: the completion SFT teaches before GRPO.
+
+    ``verdicts="random"``: the verdict is drawn independently of the winner, half A and half B, so SFT teaches
+    the format and no judging (the SFT judge is at chance and every gain after it is GRPO's);
+    ``verdicts="winner"``: the verdict is the true winner (a distilled, correct cold start).
+    """
+    if verdicts not in ("random", "winner"):
+        raise ValueError(f"verdicts must be 'random' or 'winner', got {verdicts!r}")
+    rows = generate_judge_pairs(n, seed, english_ratio)
+    draws = _balanced_flags(_stream("judge_cold_start", seed), n, n // 2)
+    out: list[dict[str, object]] = []
+    for row, a in zip(rows, draws, strict=True):
+        if verdicts == "winner":
+            a = row["winner"] == "model_a"
+        user = row["context_messages"][-1]["content"]  # type: ignore[index]
+        english = _is_english(user.split("[User Question]")[-1])  # type: ignore[union-attr]
+        out.append({**row, "response": judge_completion("A" if a else "B", english)})
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Files and tokenizer text
 # --------------------------------------------------------------------------------------------------------------
