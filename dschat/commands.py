@@ -11,6 +11,7 @@ import click
 
 from dschat.cli import main
 from dschat.config import DataArgs
+from dschat.errors import UserError
 
 
 @main.group()
@@ -73,4 +74,42 @@ def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str
                 click.echo(f"  answer: {row['answer']!r}")
 
 
-from dschat import eval_cmd  # noqa: E402, F401 - registers `dschat eval` on `main`
+@data.command("balance")
+@click.option("--data", "data_", required=True, help="Judge-pairwise file (context_messages + winner): .jsonl, "
+                                                     ".json or .parquet.")
+@click.option("--output", required=True, type=click.Path(dir_okay=False), help="Balanced rows, as JSON Lines.")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Picks which rows are swapped.")
+@click.option("--skip-unparseable", "--skip_unparseable", "skip_unparseable", is_flag=True,
+              help="Drop (and count) rows whose answer markers are not found, instead of stopping.")
+def data_balance(data_: str, output: str, seed: int, skip_unparseable: bool) -> None:
+    """Balance a judge file's winners: swap answers A and B and flip the winner in a seeded subset of rows, so
+    that half the rows (floor/ceil) have each winner. A judge trained on a skewed file learns the position."""
+    from pathlib import Path
+
+    from dschat.data.sources import WHERE, DataSpec, load_source
+    from dschat.demo.corpus import write_jsonl
+    from dschat.judge import balance_rows
+
+    if Path(output).expanduser().resolve() == Path(data_).expanduser().resolve():
+        raise UserError("--output must differ from --data (the input is read while the output is written)")
+    raw = load_source(DataSpec(data_))
+    rows = raw.train + (raw.test or [])
+    if not rows:
+        raise UserError(f"{raw.name}: no rows")
+    where = [str(r.get(WHERE, f"{raw.name}#{i}")) for i, r in enumerate(rows)]
+    clean = [{k: v for k, v in r.items() if k != WHERE} for r in rows]
+    out, report = balance_rows(clean, seed, skip_unparseable, where=lambda i: where[i])
+    write_jsonl(out, output)
+
+    def counts(c: dict[str, int]) -> str:
+        return f"model_a {c['model_a']}, model_b {c['model_b']}"
+
+    click.echo(f"rows: {report.rows}" + (f" (skipped {report.skipped} without answer markers)" if report.skipped
+                                         else ""))
+    click.echo(f"before: {counts(report.before)}")
+    click.echo(f"after:  {counts(report.after)}")
+    click.echo(f"swapped: {report.swapped}")
+    click.echo(f"wrote {output}", err=True)
+
+
+from dschat import eval_cmd, judge_cmd  # noqa: E402, F401 - register `dschat eval` and `dschat judge` on `main`

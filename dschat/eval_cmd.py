@@ -2,6 +2,7 @@
 
 ``--step 2`` evaluates a reward model (a stage-2 output, or any HF sequence-classification folder with one
 label) on every row of pairwise files, with the same scoring loop stage 2 uses (``dschat.reward_eval``).
+``--judge`` evaluates a generative judge (RM-R1) on every row of judge-pairwise files (``dschat.judge_cmd``).
 Imported by ``dschat.commands``; heavy imports (torch, deepspeed, transformers) wait until the command runs.
 """
 
@@ -13,6 +14,8 @@ import click
 
 from dschat.cli import main
 from dschat.errors import UserError
+from dschat.judge import SamplingArgs
+from dschat.judge_cmd import evaluate_judge_files, print_judge_metrics, sampling_options
 
 
 def _reward_model_dir(model: str) -> str:
@@ -28,9 +31,13 @@ def _reward_model_dir(model: str) -> str:
 @main.command("eval")
 @click.option("--step", type=click.IntRange(1, 3), default=2, show_default=True,
               help="What to evaluate: 2 = a reward model on pairwise data.")
-@click.option("--model", required=True, help="Saved model folder (for --step 2: a stage-2 output or its model/).")
+@click.option("--judge", is_flag=True, help="Evaluate a generative judge (RM-R1) on judge-pairwise rows instead: "
+                                            "accuracy, unparseable rate, position bias.")
+@click.option("--model", required=True, help="Saved model folder (for --step 2: a stage-2 output or its model/; "
+                                             "with --judge: a causal LM, or a stage output holding actor/ or model/).")
 @click.option("--data", "data_", multiple=True, required=True,
-              help="Pairwise or conversational-pairwise file (repeatable); every row is scored.")
+              help="Pairwise or conversational-pairwise file (repeatable; judge-pairwise with --judge); every row "
+                   "is scored.")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Write the metrics here as JSON.")
 @click.option("--max-seq-len", "--max_seq_len", "max_seq_len", type=int, default=256, show_default=True,
               help="Longer pairs are dropped and counted.")
@@ -39,9 +46,27 @@ def _reward_model_dir(model: str) -> str:
 @click.option("--dtype", type=click.Choice(("auto", "fp32", "bf16", "fp16")), default="auto", show_default=True,
               help="auto = fp32 on CPU, bf16 (else fp16) on CUDA.")
 @click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
-def eval_command(step: int, model: str, data_: tuple[str, ...], output: str | None, max_seq_len: int,
-                 batch_size: int, dtype: str, trust_remote_code: bool) -> None:
-    """Evaluate a saved model: dschat eval --step 2 --model DIR --data pairs.jsonl [--output metrics.json]."""
+@sampling_options
+@click.option("--judge-system-prompt", "--judge_system_prompt", "judge_system_prompt", default="",
+              help="With --judge: a rubric file injected as the system message of rows that have none.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar (--judge).")
+def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], output: str | None, max_seq_len: int,
+                 batch_size: int, dtype: str, trust_remote_code: bool, votes: int, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int, judge_system_prompt: str, progress: bool) -> None:
+    """Evaluate a saved model: dschat eval --step 2 --model DIR --data pairs.jsonl [--output metrics.json], or a
+    judge: dschat eval --judge --model DIR --data judge.jsonl [--votes k]."""
+    if judge:
+        from dschat.utils import write_json
+
+        s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p,
+                         batch_size=batch_size, seed=seed)
+        metrics = evaluate_judge_files(model, list(data_), s, judge_system_prompt, dtype, trust_remote_code,
+                                       progress=progress)
+        print_judge_metrics(metrics)
+        if output:
+            write_json(output, metrics)
+            click.echo(f"wrote {output}", err=True)
+        return
     if step != 2:
         raise UserError(f"dschat eval --step {step} is not yet supported; --step 2 evaluates a reward model")
     if batch_size < 1:

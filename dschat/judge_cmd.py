@@ -1,0 +1,127 @@
+"""``dschat eval --judge`` and ``dschat judge``: a generative judge (RM-R1) on held-out rows, or on one pair.
+
+    dschat eval --judge --model out/judge/step3_judge --data held_out.jsonl --votes 5 --output judge.json
+    dschat judge --model out/judge/step3_judge --question "..." --answer-a "..." --answer-b "..."
+
+Both use ``dschat.judge``: the same prompt, the same batched generation and the verdict rule ``judge_match``
+trains with. Imported by ``dschat.commands``; torch and transformers are imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+from dschat.cli import main
+from dschat.errors import UserError
+from dschat.judge import SamplingArgs
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def sampling_options(fn: Any) -> Any:
+    """The sampling flags ``eval --judge`` and ``judge`` share."""
+    options = [
+        click.option("--votes", type=int, default=1, show_default=True,
+                     help="Completions per row: 1 is greedy; k > 1 samples k and takes the majority of the "
+                          "parseable verdicts (a tie or none is unparseable)."),
+        click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=int, default=128,
+                     show_default=True, help="Longest judge completion in tokens."),
+        click.option("--temperature", type=float, default=1.0, show_default=True,
+                     help="Sampling temperature with --votes > 1."),
+        click.option("--top-p", "--top_p", "top_p", type=float, default=1.0, show_default=True,
+                     help="Nucleus sampling threshold with --votes > 1."),
+        click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampling."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def evaluate_judge_files(model: str, data: list[str], s: SamplingArgs, system_prompt: str = "", dtype: str = "auto",
+                         trust_remote_code: bool = False, progress: bool = True,
+                         log: Any = lambda _: None) -> dict[str, Any]:
+    """Judge accuracy, unparseable rate and position bias of ``model`` on every row of ``data`` (SPEC 7)."""
+    from dschat.judge import (
+        judge_metrics,
+        judge_prompts,
+        load_judge,
+        load_judge_rows,
+        prompt_budget,
+        read_system_prompt,
+    )
+
+    s.check()
+    system = read_system_prompt(system_prompt) if system_prompt else None
+    rows, counts = load_judge_rows(data, system)
+    if not rows:
+        raise UserError(f"no judge rows to evaluate in {', '.join(data)} ({counts})")
+    t0 = time.time()
+    lm, tok, limit = load_judge(model, dtype, trust_remote_code=trust_remote_code)
+    judgements, cut = judge_prompts(lm, tok, [r.messages for r in rows], s, prompt_budget(limit, s.max_new_tokens),
+                                    progress=progress)
+    metrics = judge_metrics([j.verdict for j in judgements], [r.winner for r in rows])
+    from dschat.chat import chat_model_dir
+
+    metrics.update({"model": chat_model_dir(model), "data": data, "votes": s.votes,
+                    "max_new_tokens": s.max_new_tokens, "temperature": s.temperature if s.votes > 1 else 0.0,
+                    "truncated_prompts": cut, **counts, "seconds": round(time.time() - t0, 1),
+                    "example": {"where": rows[0].where, "completion": judgements[0].completions[0]}})
+    return metrics
+
+
+def print_judge_metrics(m: dict[str, Any]) -> None:
+    def f(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else "-"
+
+    click.echo(f"judge: {m['model']}")
+    click.echo(f"rows: {m['n']} (winner A {m['rows_winner_a']}, B {m['rows_winner_b']}), votes {m['votes']}")
+    click.echo(f"accuracy: {f(m['accuracy'])} ± {f(m['accuracy_se'])}")
+    click.echo(f"unparseable_rate: {f(m['unparseable_rate'])}")
+    click.echo(f"accuracy_when_a: {f(m['accuracy_when_a'])}")
+    click.echo(f"accuracy_when_b: {f(m['accuracy_when_b'])}")
+    click.echo(f"position_bias: {f(m['position_bias'])}")
+
+
+@main.command("judge")
+@click.option("--model", required=True, help="Judge model: a folder (a stage output stands for its actor/ or "
+                                             "model/), an HF id in the cache, an alias or 'tiny'.")
+@click.option("--question", required=True, help="The question both answers reply to.")
+@click.option("--answer-a", "--answer_a", "answer_a", required=True, help="Answer A.")
+@click.option("--answer-b", "--answer_b", "answer_b", required=True, help="Answer B.")
+@click.option("--system-prompt", "--system_prompt", "system_prompt", default="",
+              help="File holding the rubric system message (default: the demo rubric in the question's language).")
+@sampling_options
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              help="auto = fp32 on CPU, bf16 (else fp16) on CUDA.")
+@click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
+def judge_command(model: str, question: str, answer_a: str, answer_b: str, system_prompt: str, votes: int,
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int, dtype: str,
+                  trust_remote_code: bool) -> None:
+    """Ask a judge which of two answers is better: prints its reasoning, then `verdict: A|B|unparseable`."""
+    from dschat.judge import judge_messages, judge_prompts, load_judge, prompt_budget, read_system_prompt
+
+    for name, text in (("--question", question), ("--answer-a", answer_a), ("--answer-b", answer_b)):
+        if not text.strip():
+            raise UserError(f"{name} is empty")
+    s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p, seed=seed,
+                     batch_size=1)
+    s.check()
+    system = read_system_prompt(system_prompt) if system_prompt else None
+    lm, tok, limit = load_judge(model, dtype, trust_remote_code=trust_remote_code)
+    messages = judge_messages(question, answer_a, answer_b, system)
+    [j], cut = judge_prompts(lm, tok, [messages], s, prompt_budget(limit, max_new_tokens))
+    if cut:
+        click.echo("(prompt cut to fit the judge's positions)", err=True)
+    for i, (text, verdict) in enumerate(zip(j.completions, j.verdicts, strict=True)):
+        if votes > 1:
+            click.echo(f"--- sample {i + 1}/{votes}: {verdict or 'unparseable'}")
+        click.echo(text.strip())
+    if votes > 1:
+        click.echo(f"votes: A {j.verdicts.count('A')}, B {j.verdicts.count('B')}, "
+                   f"unparseable {j.verdicts.count(None)}")
+    click.echo(f"verdict: {j.verdict or 'unparseable'}")
+    sys.stdout.flush()
