@@ -609,6 +609,7 @@ def grpo_policy_loss(
     beta: float = 0.0,
     kl_estimator: KLEstimator = "k3",
     max_completion_length: int | None = None,
+    normalizer: float | None = None,
 ) -> GRPOLossOutput:
     """GRPO-family policy loss (SPEC 6).
 
@@ -635,6 +636,14 @@ def grpo_policy_loss(
         beta: KL coefficient; 0 means no reference model.
         kl_estimator: ``"k1" | "k2" | "k3"`` (see ``approx_kl``).
         max_completion_length: dr_grpo's normaliser; defaults to ``T``.
+        normalizer: what the summed loss is divided by; default ``grpo_loss_units`` of this batch (the means
+            above). A micro-batch of a larger batch passes the units of the whole batch (all micro-batches and
+            ranks of one optimizer step), so the accumulated gradient is that of the whole batch's loss rather
+            than a mean of micro-batch means, which would weigh tokens of short micro-batches more (dapo) or
+            change the constant (dr_grpo).
+
+    Sequences without answer tokens count nowhere: they carry no gradient and would only dilute the mean
+    over sequences (grpo, gspo).
     """
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs")
@@ -658,7 +667,7 @@ def grpo_policy_loss(
             seq_loss = seq_loss + beta * masked_mean(kl, keep, dim=1)
         low = ((ratio < 1.0 - eps_low) & (adv < 0)).float().mean()
         high = ((ratio > 1.0 + eps_high) & (adv > 0)).float().mean()
-        loss = seq_loss.mean()
+        total = torch.where(keep.any(dim=1), seq_loss, torch.zeros_like(seq_loss)).sum()
         token_ratio = ratio.detach().unsqueeze(1).expand_as(logprobs)
     else:
         adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
@@ -671,13 +680,13 @@ def grpo_policy_loss(
         low = masked_mean(((ratio < 1.0 - eps_low) & (adv < 0)).float(), keep)
         high = masked_mean(((ratio > 1.0 + eps_high) & (adv > 0)).float(), keep)
         if loss_type == "grpo":
-            loss = masked_mean(per_token, keep, dim=1).mean()
-        elif loss_type == "dr_grpo":
-            length = max_completion_length if max_completion_length is not None else logprobs.size(1)
-            loss = masked_sum(per_token, keep) / (logprobs.size(0) * length)
-        else:  # dapo
-            loss = masked_mean(per_token, keep)
+            total = masked_mean(per_token, keep, dim=1).sum()  # a sequence without tokens adds 0
+        else:  # dr_grpo, dapo: token sums
+            total = masked_sum(per_token, keep)
         token_ratio = ratio.detach()
+    if normalizer is None:
+        normalizer = float(grpo_loss_units(action_mask, loss_type, max_completion_length).clamp(min=1))
+    loss = total / normalizer
 
     low, high = low.detach(), high.detach()
     return GRPOLossOutput(
@@ -688,6 +697,23 @@ def grpo_policy_loss(
         kl=masked_mean(kl.detach(), keep),
         ratio=token_ratio,
     )
+
+
+def grpo_loss_units(action_mask: torch.Tensor, loss_type: GRPOLossType,
+                    max_completion_length: int | None = None) -> torch.Tensor:
+    """What a GRPO-family loss averages over in this batch: answer tokens (dapo), sequences with at least one
+    answer token (grpo, gspo), or sequences times the longest allowed completion (dr_grpo's constant).
+
+    Summed over the micro-batches and ranks of one optimizer step it is the ``normalizer`` that makes their
+    accumulated gradient equal to the gradient of the whole batch's loss (``grpo_policy_loss``).
+    """
+    keep = action_mask.bool()
+    if loss_type == "dapo":
+        return keep.sum()
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else action_mask.size(1)
+        return torch.tensor(action_mask.size(0) * length)
+    return keep.any(dim=1).sum()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

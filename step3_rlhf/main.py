@@ -709,6 +709,27 @@ def make_groups(models: Models, hybrid: Any, scorer: Scorer, stream: Iterator[di
     return GroupBatch(rollout, rewards.to(dev), advantages, old, ref), stats, dropped
 
 
+def optimizer_step_normalizers(mbs: list[GroupBatch], loss_type: str, max_len: int, micro_steps: int,
+                               grad_accum: int) -> list[float]:
+    """Per micro-batch, the ``normalizer`` of ``L.grpo_policy_loss`` that makes each optimizer step's gradient the
+    gradient of one loss over all of its micro-batches on all ranks (a token mean over the whole batch for dapo,
+    Dr. GRPO's constant, a mean over every sequence for grpo/gspo) instead of a mean of micro-batch means.
+
+    DeepSpeed divides each micro-batch loss by ``grad_accum`` and averages gradients over ranks, so the
+    normaliser is the step's units (all-reduced) divided by ``grad_accum * world``. ``micro_steps``: micro-batches
+    the engine has run, which places each micro-batch in its optimizer step; every rank runs the same number.
+    (Micro-batches accumulated before this generation were normalised with their own generation's units.)
+    """
+    offset = micro_steps % grad_accum
+    window = [(offset + i) // grad_accum for i in range(len(mbs))]
+    units = torch.zeros(max(window, default=0) + 1)
+    for mb, w in zip(mbs, window, strict=True):
+        units[w] += float(L.grpo_loss_units(mb.rollout.action_mask, loss_type, max_len))  # type: ignore[arg-type]
+    units = E.all_reduce_sum(units)
+    scale = grad_accum * E.world_size()
+    return [max(units[w].item(), 1.0) / scale for w in window]
+
+
 def grpo_update(models: Models, batch: GroupBatch, g: GRPOArgs, p: PPOArgs, shuffle: torch.Generator,
                 ema: ActorEMA | None) -> dict[str, float]:
     """``num_iterations`` passes of GRPO-family policy steps (``L.grpo_policy_loss``) over one generation."""
@@ -716,14 +737,17 @@ def grpo_update(models: Models, batch: GroupBatch, g: GRPOArgs, p: PPOArgs, shuf
     sums: dict[str, float] = {}
     n = 0
     for _ in range(g.num_iterations):
-        for mb in batch.minibatches(p.per_device_training_batch_size, shuffle):
+        mbs = batch.minibatches(p.per_device_training_batch_size, shuffle)
+        normalizers = optimizer_step_normalizers(mbs, g.loss_type, p.max_answer_seq_len,
+                                                 models.actor.micro_steps, p.gradient_accumulation_steps)
+        for mb, normalizer in zip(mbs, normalizers, strict=True):
             logprobs = answer_logprobs(models.actor, mb.rollout, p.temperature)
             old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
             out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon, eps_high,
                                      g.loss_type, ref_logprobs=mb.ref_logprobs,  # type: ignore[arg-type]
                                      beta=g.beta if mb.ref_logprobs is not None else 0.0,
                                      kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
-                                     max_completion_length=p.max_answer_seq_len)
+                                     max_completion_length=p.max_answer_seq_len, normalizer=normalizer)
             steps_before = models.actor.global_steps
             models.actor.backward(out.loss)
             models.actor.step()

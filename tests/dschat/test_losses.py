@@ -21,6 +21,7 @@ from dschat.losses import (
     end_indices,
     gae,
     group_advantages,
+    grpo_loss_units,
     grpo_policy_loss,
     kd_loss,
     kl_penalized_rewards,
@@ -610,6 +611,32 @@ def test_dapo_token_mean_sharded_equals_global():
     rank_losses = [loss * n * world / total for loss, n in zip(losses, counts, strict=True)]
     (sharded_grad,) = torch.autograd.grad(sum(rank_losses) / world, logprobs)
     torch.testing.assert_close(sharded_grad, global_grad, atol=1e-7, rtol=0.0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_micro_batches_with_the_batch_normalizer_equal_the_whole_batch(loss_type):
+    # Stage 3 splits one optimizer step's completions into micro-batches (and ranks); with the whole batch's
+    # units as normalizer their summed losses and gradients equal the whole batch's. Row 4 has no tokens.
+    g = torch.Generator().manual_seed(7)
+    logprobs = torch.randn(5, 5, generator=g).requires_grad_()
+    old = logprobs.detach() + 0.1 * torch.randn(5, 5, generator=g)
+    adv = torch.randn(5, generator=g)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    kw = {"eps_low": 0.2, "eps_high": 0.28, "loss_type": loss_type, "max_completion_length": 6}
+    whole = grpo_policy_loss(logprobs, old, adv, mask, **kw).loss
+    (whole_grad,) = torch.autograd.grad(whole, logprobs)
+    parts = [slice(0, 1), slice(1, 3), slice(3, 5)]
+    units = sum(float(grpo_loss_units(mask[s], loss_type, 6)) for s in parts)
+    assert units == {"grpo": 4, "gspo": 4, "dapo": 11, "dr_grpo": 30}[loss_type]  # by hand
+    split = sum(grpo_policy_loss(logprobs[s], old[s], adv[s], mask[s], normalizer=units, **kw).loss for s in parts)
+    close(split, whole.item())
+    (split_grad,) = torch.autograd.grad(split, logprobs)
+    torch.testing.assert_close(split_grad, whole_grad, atol=1e-7, rtol=0.0)
+    if loss_type in ("grpo", "gspo", "dapo"):  # the empty row does not dilute the mean
+        close(whole, grpo_policy_loss(logprobs[:4], old[:4], adv[:4], mask[:4], **kw).loss.item())
+    # micro-batch means averaged (what one would get without the normalizer) differ on unequal parts
+    naive = sum(grpo_policy_loss(logprobs[s], old[s], adv[s], mask[s], **kw).loss for s in parts) / 3
+    assert abs(naive.item() - whole.item()) > 1e-4
 
 
 def test_overlong_penalty_by_hand():

@@ -203,3 +203,21 @@ def test_pipeline_grpo_runs_sft_then_grpo_and_reports(tmp_path):
     args = read_json(out / "step3_grpo" / "args.json")
     assert args["algo"] == "grpo" and args["actor_model"] == str(out / GRPO_SFT_FOLDER / "model")
     assert read_json(out / GRPO_SFT_FOLDER / "args.json")["data"] == [str(demo_files()["prompts_sft"])]
+
+
+def test_optimizer_step_normalizers_follow_the_accumulation_windows():
+    from types import SimpleNamespace
+
+    from step3_rlhf.main import optimizer_step_normalizers
+
+    def mb(*lengths):
+        mask = torch.zeros(len(lengths), 6)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        return SimpleNamespace(rollout=SimpleNamespace(action_mask=mask))
+
+    mbs = [mb(2, 3), mb(1, 0), mb(4, 4), mb(5, 1)]  # tokens 5, 1, 8, 6; sequences with tokens 2, 1, 2, 2
+    # grad_accum 2, one micro-batch already accumulated: windows [mb0], [mb1, mb2], [mb3]; scale 2 * world 1
+    assert optimizer_step_normalizers(mbs, "dapo", 6, micro_steps=3, grad_accum=2) == [5 / 2, 9 / 2, 9 / 2, 6 / 2]
+    assert optimizer_step_normalizers(mbs, "grpo", 6, micro_steps=4, grad_accum=2) == [3 / 2, 3 / 2, 4 / 2, 4 / 2]
+    assert optimizer_step_normalizers(mbs, "dr_grpo", 6, micro_steps=0, grad_accum=4) == [48 / 4] * 4
