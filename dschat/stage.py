@@ -185,6 +185,54 @@ class EpochStream:
         return next(self._batches)
 
 
+class ResumableLoop:
+    """The optimizer-step loop of a one-engine stage (1 and 2), resumable from the output folder's latest state.
+
+    ``state`` is what the resumed state holds besides its position (the stage's own fields, e.g. its first
+    evaluation); the stage keeps ``extras`` current with what the next state should hold.
+    """
+
+    def __init__(self, stage: Stage, engine: Any, tokenizer: Any, run: RunArgs):
+        from dschat.resume import Checkpointer, latest_state, truncate_metrics
+
+        self.engine, self.save_interval = engine, run.save_interval
+        self.ckpt = Checkpointer(stage.output_dir, {"model": engine}, run.keep_checkpoints, tokenizer)
+        self.state: dict[str, Any] = {}
+        self.resumed_from = latest_state(stage.output_dir) if run.resume else None
+        if self.resumed_from is not None:
+            self.state, _ = self.ckpt.load(self.resumed_from)
+            truncate_metrics(stage.output_dir, self.state["step"])
+            stage.log(f"resumed from {self.resumed_from} (step {self.state['step']})")
+        self.step: int = self.state.get("step", 0)
+        # epoch and batches drawn in it at the last optimizer step: where a resumed run starts
+        self.position = {"epoch": self.state.get("epoch", 0), "batches": self.state.get("batches", 0)}
+        self.extras: dict[str, Any] = {}
+
+    def save(self) -> Path:
+        return self.ckpt.save(self.step, {**self.position, **self.extras})
+
+    def run(self, loader: DataLoader, epochs: int, total_steps: int, micro_step: Callable[[dict[str, Any]], None],
+            on_step: Callable[[int, int], None]) -> None:
+        """``micro_step(batch)`` runs forward, backward and ``engine.step()`` on one micro-batch (on the device);
+        ``on_step(step, epoch)`` follows each optimizer step (metrics, logging, evaluation). A state is saved
+        every ``--save-interval`` steps and on Ctrl-C."""
+        dev = E.device()
+        with save_on_interrupt(self.save):
+            for epoch, done, batch in resumable_batches(loader, epochs, self.position["epoch"],
+                                                        self.position["batches"]):
+                if self.step >= total_steps:
+                    break
+                steps_before = self.engine.global_steps
+                micro_step(to_device(batch, dev))
+                if self.engine.global_steps == steps_before:  # inside a gradient-accumulation window
+                    continue
+                self.step += 1
+                self.position = {"epoch": epoch, "batches": done}
+                on_step(self.step, epoch)
+                if self.save_interval and self.step % self.save_interval == 0 and self.step < total_steps:
+                    self.save()
+
+
 class Interrupted(UserError):
     """Ctrl-C: the state was saved; exit 130 like any interrupted command."""
 

@@ -28,16 +28,14 @@ from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, 
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model
-from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.stage import (
+    ResumableLoop,
     begin_stage,
     check_finite,
     eval_loader,
     learning_rate,
     lockstep_batches,
     plan_steps,
-    resumable_batches,
-    save_on_interrupt,
     to_device,
     train_loader,
 )
@@ -101,62 +99,46 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
               f"train rows {len(data.train)} eval rows {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")
 
-    ckpt = Checkpointer(stage.output_dir, {"model": engine}, cfg.run.keep_checkpoints, tokenizer)
-    state: dict[str, Any] = {}
-    resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
-    if resume_from is not None:
-        state, _ = ckpt.load(resume_from)
-        truncate_metrics(stage.output_dir, state["step"])
-        stage.log(f"resumed from {resume_from} (step {state['step']})")
+    loop = ResumableLoop(stage, engine, tokenizer, cfg.run)
+    state = loop.state
     before = state.get("before") or (evaluate_perplexity(engine, evals) if data.eval else {})
     tracker = RunTracker(stage.output_dir, E.is_main(), total_steps, cfg.run.progress, desc="sft")
-    if before and resume_from is None:
+    if before and loop.resumed_from is None:
         tracker.log(0, {"eval/perplexity": before["perplexity"], "eval/loss": before["loss"]})
 
     engine.train()
-    dev = E.device()
     accum = cfg.optim.gradient_accumulation_steps
-    step = state.get("step", 0)
-    first_loss, last_loss = state.get("first_loss", float("nan")), state.get("last_loss", float("nan"))
-    tracker.advance(step)
-    window_loss, window_tokens, t0 = 0.0, 0, time.time()
-    position = {"epoch": state.get("epoch", 0), "batches": state.get("batches", 0)}  # of the last optimizer step
+    tracker.advance(loop.step)
+    loop.extras = {"before": before, "first_loss": state.get("first_loss", float("nan")),
+                   "last_loss": state.get("last_loss", float("nan"))}
+    window = {"loss": 0.0, "tokens": 0, "t0": time.time()}  # summed over the micro-batches of one step
 
-    def save_state() -> Any:
-        return ckpt.save(step, {**position, "before": before, "first_loss": first_loss, "last_loss": last_loss})
+    def micro_step(batch: dict[str, Any]) -> None:
+        loss = engine(**batch, use_cache=False).loss
+        engine.backward(loss)
+        engine.step()
+        window["loss"] += loss.item()
+        window["tokens"] += int(batch["attention_mask"].sum())
 
-    with save_on_interrupt(save_state):
-        for epoch, done_in_epoch, batch in resumable_batches(loader, epochs,
-                                                             position["epoch"], position["batches"]):
-            if step >= total_steps:
-                break
-            batch = to_device(batch, dev)
-            loss = engine(**batch, use_cache=False).loss
-            engine.backward(loss)
-            steps_before = engine.global_steps
-            engine.step()
-            window_loss += loss.item()
-            window_tokens += int(batch["attention_mask"].sum())
-            if engine.global_steps == steps_before:  # inside a gradient-accumulation window
-                continue
-            step += 1
-            position = {"epoch": epoch, "batches": done_in_epoch}
-            mean_loss = E.all_reduce_mean(torch.tensor(window_loss / accum)).item()
-            check_finite(mean_loss, step)
-            first_loss = mean_loss if step == 1 else first_loss
-            last_loss = mean_loss
-            if step % cfg.run.log_interval == 0 or step == total_steps:
-                elapsed = time.time() - t0
-                tokens = E.all_reduce_sum(torch.tensor(float(window_tokens))).item()
-                tracker.log(step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
-                                   "train/tokens_per_s": tokens / max(elapsed, 1e-9)})
-            tracker.advance(1, loss=mean_loss)
-            window_loss, window_tokens, t0 = 0.0, 0, time.time()
-            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
-                mid = evaluate_perplexity(engine, evals)
-                tracker.log(step, {"eval/perplexity": mid["perplexity"], "eval/loss": mid["loss"]})
-            if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_steps:
-                save_state()
+    def on_step(step: int, epoch: int) -> None:
+        mean_loss = E.all_reduce_mean(torch.tensor(window["loss"] / accum)).item()
+        check_finite(mean_loss, step)
+        if step == 1:
+            loop.extras["first_loss"] = mean_loss
+        loop.extras["last_loss"] = mean_loss
+        if step % cfg.run.log_interval == 0 or step == total_steps:
+            elapsed = time.time() - window["t0"]
+            tokens = E.all_reduce_sum(torch.tensor(float(window["tokens"]))).item()
+            tracker.log(step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+                               "train/tokens_per_s": tokens / max(elapsed, 1e-9)})
+        tracker.advance(1, loss=mean_loss)
+        window.update(loss=0.0, tokens=0, t0=time.time())
+        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
+            mid = evaluate_perplexity(engine, evals)
+            tracker.log(step, {"eval/perplexity": mid["perplexity"], "eval/loss": mid["loss"]})
+
+    loop.run(loader, epochs, total_steps, micro_step, on_step)
+    step, first_loss, last_loss = loop.step, loop.extras["first_loss"], loop.extras["last_loss"]
 
     after = evaluate_perplexity(engine, evals) if data.eval else {}
     if after:

@@ -31,17 +31,14 @@ from dschat.errors import UserError
 from dschat.lora import lora_param_groups
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss, pairwise_metrics
 from dschat.models import RewardModel, create_reward_model, load_tokenizer, resolve_model
-from dschat.resume import Checkpointer, latest_state, truncate_metrics
 from dschat.reward_eval import RewardEval, evaluate_reward, is_reward_checkpoint, split_pairs
 from dschat.stage import (
+    ResumableLoop,
     begin_stage,
     check_finite,
     eval_loader,
     learning_rate,
     plan_steps,
-    resumable_batches,
-    save_on_interrupt,
-    to_device,
     train_loader,
 )
 from dschat.tracking import RunTracker, write_eval
@@ -117,66 +114,51 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
               f"train pairs {len(data.train)} eval pairs {len(data.eval)} | {total_steps} optimizer steps | "
               f"lr {lr:g} | ZeRO {cfg.engine.zero_stage} | world {E.world_size()}")
 
-    ckpt = Checkpointer(stage.output_dir, {"model": engine}, cfg.run.keep_checkpoints, tokenizer)
-    state: dict[str, Any] = {}
-    resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
-    if resume_from is not None:
-        state, _ = ckpt.load(resume_from)
-        truncate_metrics(stage.output_dir, state["step"])
-        stage.log(f"resumed from {resume_from} (step {state['step']})")
+    loop = ResumableLoop(stage, engine, tokenizer, cfg.run)
+    state = loop.state
     if state.get("before"):
         before: RewardEval | None = RewardEval(**state["before"])
     else:
         before = evaluate_reward(engine, evals) if data.eval else None
     tracker = RunTracker(stage.output_dir, E.is_main(), total_steps, cfg.run.progress, desc="reward")
-    if before and resume_from is None:
+    if before and loop.resumed_from is None:
         tracker.log(0, eval_metrics(before), prefix="eval/")
 
     engine.train()
     dev = E.device()
     accum = cfg.optim.gradient_accumulation_steps
-    step = state.get("step", 0)
-    first_loss, last_loss = state.get("first_loss", float("nan")), state.get("last_loss", float("nan"))
-    tracker.advance(step)
+    tracker.advance(loop.step)
+    loop.extras = {"before": before.as_dict() if before else None,
+                   "first_loss": state.get("first_loss", float("nan")),
+                   "last_loss": state.get("last_loss", float("nan"))}
     window = torch.zeros(4, dtype=torch.float64)  # summed over micro-batches: loss, accuracy, chosen, rejected
-    position = {"epoch": state.get("epoch", 0), "batches": state.get("batches", 0)}  # of the last optimizer step
 
-    def save_state() -> Any:
-        return ckpt.save(step, {**position, "before": before.as_dict() if before else None,
-                                "first_loss": first_loss, "last_loss": last_loss})
+    def micro_step(batch: dict[str, Any]) -> None:
+        values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        out = reward_loss(values, batch, cfg.reward)
+        engine.backward(out.loss)
+        engine.step()
+        m = pairwise_metrics(out.chosen_scores, out.rejected_scores)
+        window.add_(torch.tensor([out.loss.item(), m.accuracy.item(), m.chosen_mean.item(), m.rejected_mean.item()],
+                                 dtype=torch.float64))
 
-    with save_on_interrupt(save_state):
-        for epoch, done_in_epoch, batch in resumable_batches(loader, epochs,
-                                                             position["epoch"], position["batches"]):
-            if step >= total_steps:
-                break
-            batch = to_device(batch, dev)
-            values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
-            out = reward_loss(values, batch, cfg.reward)
-            engine.backward(out.loss)
-            steps_before = engine.global_steps
-            engine.step()
-            m = pairwise_metrics(out.chosen_scores, out.rejected_scores)
-            window += torch.tensor([out.loss.item(), m.accuracy.item(), m.chosen_mean.item(),
-                                    m.rejected_mean.item()], dtype=torch.float64)
-            if engine.global_steps == steps_before:  # inside a gradient-accumulation window
-                continue
-            step += 1
-            position = {"epoch": epoch, "batches": done_in_epoch}
-            loss, acc, chosen, rejected = E.all_reduce_mean((window / accum).to(dev)).tolist()
-            check_finite(loss, step)
-            first_loss = loss if step == 1 else first_loss
-            last_loss = loss
-            if step % cfg.run.log_interval == 0 or step == total_steps:
-                tracker.log(step, {"train/loss": loss, "train/accuracy": acc, "train/chosen_score": chosen,
-                                   "train/rejected_score": rejected, "train/lr": engine.get_lr()[0],
-                                   "train/epoch": epoch})
-            tracker.advance(1, loss=loss, acc=acc)
-            window.zero_()
-            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and step < total_steps and data.eval:
-                tracker.log(step, eval_metrics(evaluate_reward(engine, evals)), prefix="eval/")
-            if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_steps:
-                save_state()
+    def on_step(step: int, epoch: int) -> None:
+        loss, acc, chosen, rejected = E.all_reduce_mean((window / accum).to(dev)).tolist()
+        check_finite(loss, step)
+        if step == 1:
+            loop.extras["first_loss"] = loss
+        loop.extras["last_loss"] = loss
+        if step % cfg.run.log_interval == 0 or step == total_steps:
+            tracker.log(step, {"train/loss": loss, "train/accuracy": acc, "train/chosen_score": chosen,
+                               "train/rejected_score": rejected, "train/lr": engine.get_lr()[0],
+                               "train/epoch": epoch})
+        tracker.advance(1, loss=loss, acc=acc)
+        window.zero_()
+        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and step < total_steps and data.eval:
+            tracker.log(step, eval_metrics(evaluate_reward(engine, evals)), prefix="eval/")
+
+    loop.run(loader, epochs, total_steps, micro_step, on_step)
+    step, first_loss, last_loss = loop.step, loop.extras["first_loss"], loop.extras["last_loss"]
 
     after = evaluate_reward(engine, evals) if data.eval else None
     if after:
