@@ -34,6 +34,7 @@ def _click_option(spec: Any) -> click.Option:
         return click.Option(decls + [spec.name], default=spec.default, help=help_text, hidden=spec.hidden,
                             show_default=True)
     decls = [f"--{dash}"] + ([f"--{spec.name}"] if dash != spec.name else [])
+    decls += [f"--{a.replace('_', '-')}" for a in spec.aliases]
     if spec.type is list:
         return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
     ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type

@@ -23,9 +23,10 @@ from dschat.errors import UserError
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,
-        choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field carrying its CLI help text (and optional choices)."""
-    meta = {"help": help, "hidden": hidden, "choices": choices}
+        choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """A dataclass field carrying its CLI help text (optional choices, and other flag names for it, e.g. stage 3
+    takes ``--model`` for ``--actor-model`` as every stage takes ``--model``)."""
+    meta = {"help": help, "hidden": hidden, "choices": choices, "aliases": aliases}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -114,9 +115,14 @@ class RunArgs:
     seed: int = arg(1234, "Random seed for data order, splits and initialisation.")
     eval_interval: int = arg(0, "Evaluate every N optimizer steps (0: only before and after training).")
     log_interval: int = arg(1, "Log metrics every N optimizer steps.")
-    save_interval: int = arg(0, "Write a resumable training state every N steps (0: never; Ctrl-C also saves).")
+    save_interval: int = arg(0, "Write a resumable training state every N steps (0: only the final one; Ctrl-C "
+                                "also saves).")
+    save_final_state: bool = arg(True, "Write a resumable training state when training ends, so --resume with a "
+                                       "larger --max-steps or --num-train-epochs trains on (and `dschat export` "
+                                       "can read it).")
     keep_checkpoints: int = arg(2, "How many resumable states to keep.")
-    resume: bool = arg(False, "Continue from the latest complete training state in the output folder.")
+    resume: bool = arg(False, "Continue from the latest complete training state in the output folder (also a "
+                              "finished run's final state).")
     force: bool = arg(False, "Overwrite an output folder that already holds a finished run or training states.")
     progress: bool = arg(True, "Show a progress bar.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher.", hidden=True)
@@ -144,6 +150,7 @@ class FlagSpec:
     help: str
     hidden: bool
     choices: tuple[str, ...] | None
+    aliases: tuple[str, ...] = ()
 
 
 def flag_specs(config_cls: type) -> list[FlagSpec]:
@@ -163,7 +170,8 @@ def flag_specs(config_cls: type) -> list[FlagSpec]:
                 tp = list
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             specs.append(FlagSpec(f.name, group.name, tp, optional, default, f.metadata.get("help", ""),
-                                  f.metadata.get("hidden", False), f.metadata.get("choices")))
+                                  f.metadata.get("hidden", False), f.metadata.get("choices"),
+                                  f.metadata.get("aliases", ())))
     return specs
 
 

@@ -248,16 +248,21 @@ def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: Opt
 
 def build_eval_engine(model: torch.nn.Module, *, zero_stage: int, offload: bool, dtype: torch.dtype,
                       micro_batch: int = 1) -> Engine:
-    """A frozen engine (reference / reward model). ZeRO-3 shards it; lower stages simply place it."""
+    """A frozen engine (reference / reward model). ZeRO-3 shards it; lower stages simply place it.
+
+    ``offload`` on an accelerator keeps the weights in CPU memory through ZeRO-3 parameter offload whatever
+    ``zero_stage`` says (as DeepSpeed-Chat does): a module simply left on the CPU would be handed accelerator
+    inputs. On a CPU-only machine the weights are in CPU memory already.
+    """
     for p in model.parameters():
         p.requires_grad_(False)
-    if zero_stage == 3:
+    if zero_stage == 3 or (offload and device().type != "cpu"):
         config = ds_config(micro_batch=micro_batch, grad_accum=1, zero_stage=3, offload=offload, dtype=dtype,
                            inference=True)
         eng, *_ = deepspeed.initialize(model=model, config=config)
         eng.eval()
         return eng
-    model.to(device="cpu" if offload else device(), dtype=dtype)
+    model.to(device=device(), dtype=dtype)
     model.eval()
     return model
 

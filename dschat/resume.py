@@ -74,6 +74,10 @@ class Checkpointer:
     def save(self, step: int, trainer: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Path:
         name = f"step-{step:08d}"
         final = self.root / name
+        if (final / "trainer.json").exists():
+            # Already complete (Ctrl-C right after a periodic save or a resume): the same step is the same state,
+            # and rewriting it would first delete the folder 'latest' may point at.
+            return final
         tmp = self.root / f".{name}.tmp"
         if E.is_main():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -98,11 +98,12 @@ class Retokenizer:
     def __call__(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         P = rollout.prompt_len
         rows = []
-        for seq, mask in zip(rollout.sequences, rollout.attention_mask, strict=True):
+        for seq, mask, ended in zip(rollout.sequences, rollout.attention_mask, rollout.reached_eos, strict=True):
             prompt = self.src.decode(seq[:P][mask[:P].bool()], skip_special_tokens=True)
             answer = self.src.decode(seq[P:][mask[P:].bool()], skip_special_tokens=True)
             ids = self.dst(prompt)["input_ids"] + self.dst(answer, add_special_tokens=False)["input_ids"]
-            if self.dst.eos_token_id is not None:
+            # As on the same-tokenizer path: only an answer that ended gets the EOS the reward model scores at.
+            if self.dst.eos_token_id is not None and bool(ended):
                 ids = ids + [self.dst.eos_token_id]
             rows.append(ids[-self.max_len:])
         ids, mask = pad_sequences(rows, self.dst.pad_token_id, "right")

@@ -48,9 +48,9 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
 
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
-    if (out / "eval.json").exists() and not run.force:
-        raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it or "
-                        "choose another --output-dir")
+    if (out / "eval.json").exists() and not run.force and not (run.resume and latest_state(out) is not None):
+        raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it, --resume "
+                        "to train on from its final state, or choose another --output-dir")
     if latest_state(out) is not None and not (run.resume or run.force):
         raise UserError(f"{out} holds a resumable training state ({latest_state(out)}); pass --resume to "
                         "continue it or --force to start over")
@@ -59,7 +59,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     stage = Stage(name, out)
     if E.is_main():
         out.mkdir(parents=True, exist_ok=True)
-        if not run.resume:
+        if not (run.resume and latest_state(out) is not None):  # a fresh start: nothing of an older run stays
             for stale in ("metrics.jsonl", "eval.json"):
                 if (out / stale).exists():
                     (out / stale).unlink()
@@ -119,11 +119,19 @@ def lockstep_batches(loader: DataLoader) -> Iterator[tuple[Any, bool]]:
 
 def plan_steps(batches_per_epoch: int, optim: OptimArgs) -> tuple[int, int]:
     """``(optimizer steps, epochs)``. ``--max-steps`` overrides ``--num-train-epochs`` (as in HF Trainer): the
-    data is passed over as many times as it takes."""
-    per_epoch = max(1, math.ceil(batches_per_epoch / optim.gradient_accumulation_steps))
+    data is passed over as many times as it takes.
+
+    DeepSpeed's accumulation windows run on across epoch boundaries, so the steps are the micro-batches of all
+    epochs divided by ``--gradient-accumulation-steps`` (a last incomplete window takes no step).
+    """
+    gas = optim.gradient_accumulation_steps
     if optim.max_steps > 0:
-        return optim.max_steps, math.ceil(optim.max_steps / per_epoch)
-    return per_epoch * optim.num_train_epochs, optim.num_train_epochs
+        return optim.max_steps, math.ceil(optim.max_steps * gas / max(1, batches_per_epoch))
+    steps = batches_per_epoch * optim.num_train_epochs // gas
+    if steps < 1:
+        raise UserError(f"{batches_per_epoch * optim.num_train_epochs} micro-batches make no optimizer step with "
+                        f"--gradient-accumulation-steps {gas}; lower it, the batch size, or raise the epochs")
+    return steps, optim.num_train_epochs
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -195,7 +203,7 @@ class ResumableLoop:
     def __init__(self, stage: Stage, engine: Any, tokenizer: Any, run: RunArgs):
         from dschat.resume import Checkpointer, latest_state, truncate_metrics
 
-        self.engine, self.save_interval = engine, run.save_interval
+        self.engine, self.save_interval, self.save_final = engine, run.save_interval, run.save_final_state
         self.ckpt = Checkpointer(stage.output_dir, {"model": engine}, run.keep_checkpoints, tokenizer)
         self.state: dict[str, Any] = {}
         self.resumed_from = latest_state(stage.output_dir) if run.resume else None
@@ -215,7 +223,7 @@ class ResumableLoop:
             on_step: Callable[[int, int], None]) -> None:
         """``micro_step(batch)`` runs forward, backward and ``engine.step()`` on one micro-batch (on the device);
         ``on_step(step, epoch)`` follows each optimizer step (metrics, logging, evaluation). A state is saved
-        every ``--save-interval`` steps and on Ctrl-C."""
+        every ``--save-interval`` steps, on Ctrl-C and (``--save-final-state``) when training ends."""
         dev = E.device()
         with save_on_interrupt(self.save):
             for epoch, done, batch in resumable_batches(loader, epochs, self.position["epoch"],
@@ -231,6 +239,8 @@ class ResumableLoop:
                 on_step(self.step, epoch)
                 if self.save_interval and self.step % self.save_interval == 0 and self.step < total_steps:
                     self.save()
+            if self.save_final:
+                self.save()
 
 
 class Interrupted(UserError):

@@ -67,7 +67,8 @@ DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, sec. 3.1)
 
 @dataclass
 class RLModelArgs:
-    actor_model: str = arg("", "Actor initialisation: a step-1 output (…/model) or any --model value.")
+    actor_model: str = arg("", "Actor initialisation: a step-1 output (…/model) or any model name ('--model' "
+                               "works too, as in the other stages).", aliases=("model",))
     reward_model: str = arg("", "Reward model: a step-2 output (…/model). Required for PPO; optional for GRPO "
                                 "(the reward function 'rm').")
     critic_model: str = arg("", "Critic initialisation (default: the reward model). PPO only.")
@@ -118,6 +119,8 @@ class PPOArgs:
     num_warmup_steps: int = arg(0, "Warmup optimizer steps.")
     max_grad_norm: float = arg(1.0, "Gradient clipping norm (0 disables).")
     max_answer_seq_len: int = arg(256, "Longest generated answer in tokens.")
+    min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
+                                 "counted as dropped (SPEC 5.1).")
     temperature: float = arg(1.0, "Sampling temperature.")
     top_p: float = arg(1.0, "Nucleus sampling threshold.")
     top_k: int = arg(0, "Top-k sampling (0 disables).")
@@ -469,7 +472,7 @@ def score_rollout(models: Models, rollout: Rollout, p: PPOArgs, retok: Retokeniz
 @torch.no_grad()
 def make_experience(models: Models, hybrid: Any, batch: dict[str, Any], p: PPOArgs, gen: GenerationConfig,
                     kl_ctl: float, retok: Retokenizer | None) -> tuple[Experience, int]:
-    rollout, dropped = generate_rollout(models, hybrid, batch, gen)
+    rollout, dropped = generate_rollout(models, hybrid, batch, gen, min_answer_len=p.min_answer_len)
     # Old log-probs, reference log-probs and values in eval mode (no dropout), once per experience batch.
     models.actor.eval()
     models.critic.eval()
@@ -658,7 +661,7 @@ def make_groups(models: Models, hybrid: Any, scorer: Scorer, stream: Iterator[di
     n_kept, rounds, dropped, gen_time = 0, 0, 0, 0.0
     while True:
         batch = repeat_prompts(to_device(next(stream), dev), G)
-        rollout, d = generate_rollout(models, hybrid, batch, gen)
+        rollout, d = generate_rollout(models, hybrid, batch, gen, min_answer_len=p.min_answer_len)
         gen_time += hybrid.last_generate_seconds
         dropped += d
         seen["length"].append(rollout.answer_lengths.float().cpu())
@@ -969,6 +972,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                 raise Interrupted(f"interrupted: saved {saved}; continue with --resume")
             if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_updates:
                 save_state()
+        if cfg.run.save_final_state:
+            save_state()
 
     after = evaluate(models, hybrid, evals, p, gen, cfg.run.seed, scorer) if data.eval else {}
     if after:

@@ -257,6 +257,14 @@ def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list
     }, n=24)
 
 
+def count_line(phase: int, counts: dict[str, int]) -> str:
+    """One line with the phase's row counts and every drop reason (also written to the stage's eval.json)."""
+    dropped = ", ".join(f"{k.removeprefix('dropped_')} {v}" for k, v in sorted(counts.items())
+                        if k.startswith("dropped_") and v)
+    return (f"data: phase {phase}: {counts.get('train_rows', 0)} train rows, {counts.get('eval_rows', 0)} eval rows; "
+            f"dropped: {dropped or 'none'}")
+
+
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
                log: Any = print) -> PhaseData:
     """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk."""
@@ -272,7 +280,9 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
         try:
             blob = torch.load(cache_file, weights_only=False)
             log(f"data: phase {phase} from cache {cache_file}")
-            return PhaseData(**blob)
+            cached = PhaseData(**blob)
+            log(count_line(phase, cached.counts))
+            return cached
         except Exception:  # noqa: BLE001 - a corrupt cache is rebuilt, never trusted
             pass
     if split[phase - 1] == 0:
@@ -301,6 +311,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     counts["train_rows"] = len(train)
     counts["eval_rows"] = len(evals)
     result = PhaseData(phase, train, evals, dict(counts), sources)
+    log(count_line(phase, result.counts))
     if use_cache:
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".tmp-{os.getpid()}-{random.getrandbits(32):08x}")

@@ -65,3 +65,18 @@ def test_user_errors_are_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dschat: error:")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_plan_steps_counts_accumulation_windows_across_epochs():
+    from dschat.config import OptimArgs
+    from dschat.errors import UserError
+    from dschat.stage import plan_steps
+
+    # 10 micro-batches per epoch, 4 per optimizer step: windows run on over the epoch boundary
+    assert plan_steps(10, OptimArgs(gradient_accumulation_steps=4, num_train_epochs=1)) == (2, 1)
+    assert plan_steps(10, OptimArgs(gradient_accumulation_steps=4, num_train_epochs=2)) == (5, 2)
+    # --max-steps 3 needs 12 micro-batches: two epochs, not one
+    assert plan_steps(10, OptimArgs(gradient_accumulation_steps=4, max_steps=3)) == (3, 2)
+    assert plan_steps(10, OptimArgs(max_steps=25)) == (25, 3)
+    with pytest.raises(UserError, match="no optimizer step"):
+        plan_steps(3, OptimArgs(gradient_accumulation_steps=4))

@@ -157,11 +157,14 @@ def test_phase2_drops_identical_and_too_long(tmp_path, tok):
     rows[0]["rejected"] = rows[0]["chosen"]  # identical pair
     rows[1]["chosen"] = " 好" * 400  # too long
     path = write_jsonl(tmp_path / "d.jsonl", rows)
+    lines: list[str] = []
     pd = load_phase(args([path], data_split="0,1,0", eval_fraction=0.0), 2, tok, seed=0, use_cache=False,
-                    log=lambda _: None)
+                    log=lines.append)
     assert pd.counts["dropped_identical_pair"] == 1
     assert pd.counts["dropped_too_long"] == 1
     assert pd.counts["train_rows"] == 8
+    # the counts are printed, not only written to eval.json
+    assert "data: phase 2: 8 train rows, 0 eval rows; dropped: identical_pair 1, too_long 1" in lines
     row = pd.train[0]
     assert row["chosen_input_ids"] != row["rejected_input_ids"]
     assert row["chosen_input_ids"][-1] == tok.eos_token_id == row["rejected_input_ids"][-1]

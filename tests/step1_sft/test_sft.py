@@ -115,3 +115,16 @@ def test_sft_with_lora_saves_a_plain_merged_folder(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out / "model")  # no peft needed
     assert not any("lora" in n for n, _ in model.named_parameters())
     assert (out / "model" / "adapter" / "adapter_config.json").exists()
+
+
+def test_a_finished_run_trains_on_from_its_final_state(tmp_path):
+    out = tmp_path / "run"
+    common = ["train", "--step", "1", "--no-progress", "--per-device-train-batch-size", "4", "--output-dir", str(out)]
+    assert run_cli(*common, "--max-steps", "4").returncode == 0
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000004"  # the final state
+    proc = run_cli(*common, "--max-steps", "4")
+    assert proc.returncode == 2 and "--resume" in proc.stderr  # finished: not overwritten silently
+    proc = run_cli(*common, "--max-steps", "6", "--resume")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(losses(out, "train/loss")) == list(range(1, 7))
+    assert read_json(out / "eval.json")["steps"] == 6

@@ -153,6 +153,8 @@ def test_resume_continues_exactly(tmp_path, demo_rows):
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "checkpoints", resumed / "checkpoints")
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step-00000006"  # the final state
+    (resumed / "checkpoints" / "latest").write_text("step-00000003\n")  # as if killed after step 3
     metrics = _reward_run(resumed, max_steps=6, save_interval=3, max_eval_rows=8, resume=True)
     assert metrics["steps"] == 6
     assert metrics["accuracy_before"] == read_json(full / "eval.json")["accuracy_before"]  # restored, not re-run

@@ -31,6 +31,19 @@ def test_rollout_masks_after_first_eos_and_drops_short_answers():
     assert rollout.prompt_len == 3
 
 
+def test_retokenized_answers_get_eos_only_when_they_ended(tiny):
+    from dschat.rlhf import Retokenizer
+
+    _, tok = tiny
+    prompt = torch.tensor([[1, 100, 101], [1, 102, 103]])
+    answers = torch.tensor([[200, 201, tok.eos_token_id, PAD], [202, 203, 204, 205]])  # ended / cut off
+    rollout, _ = make_rollout(prompt, torch.ones_like(prompt), torch.cat([prompt, answers], 1), tok.eos_token_id,
+                              tok.pad_token_id)
+    ids, mask = Retokenizer(tok, tok, 64)(rollout)
+    last = [row[m.bool()][-1].item() for row, m in zip(ids, mask, strict=True)]
+    assert last[0] == tok.eos_token_id and last[1] != tok.eos_token_id
+
+
 def test_positions_ignore_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     assert positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
@@ -147,3 +160,8 @@ def test_ppo_two_ranks_actor_zero3_under_launcher(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out / "actor")
     assert sum(p.numel() for p in model.parameters()) > 1_000_000
+
+
+def test_stage3_takes_model_for_the_actor_as_every_stage_does(tmp_path):
+    proc = run_cli("train", "--step", "3", "--model", "tiny", "--output-dir", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--reward-model" in proc.stderr and "No such option" not in proc.stderr
