@@ -111,3 +111,21 @@ def test_two_nodes_without_ssh_on_localhost(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("script", sorted(p.relative_to(ROOT).as_posix()
+                                          for p in (ROOT / "step1_sft" / "training_scripts").glob("*/*.sh")))
+def test_stage1_training_scripts_pass_only_known_flags(script):
+    from dschat.config import flag_specs
+    from step1_sft.main import SFTConfig
+
+    args = ["MODEL", "OUT"] if "multi_node" in script else ["OUT"]
+    proc = subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DRY_RUN": "1", "HOSTFILE": str(ROOT / "launch" / "hostfile.example")})
+    assert proc.returncode == 0, proc.stderr
+    known = {s.name.replace("_", "-") for s in flag_specs(SFTConfig)}
+    flags = [w[2:] for w in proc.stderr.split() if w.startswith("--")]
+    launcher = {"step", "num-gpus", "hostfile", "master-port", "master-addr", "num-nodes", "include", "launcher",
+                "no-ssh", "node-rank", "ssh-port", "no_ssh", "node_rank", "master_addr", "master_port", "ssh_port"}
+    unknown = [f for f in flags if f.split("=")[0] not in known | launcher]
+    assert "--output-dir" in proc.stderr and not unknown, unknown
