@@ -135,8 +135,8 @@ def _weighted(rows: list[Any], weight: float) -> list[Any]:
 
 
 def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: int, phase: int,
-                    data: DataArgs, judge_system: str | None = None) -> tuple[str, list[Example], list[Example],
-                                                                              Counter[str]]:
+                    data: DataArgs, judge_system: str | None = None,
+                    log: Any = print) -> tuple[str, list[Example], list[Example], Counter[str]]:
     counts: Counter[str] = Counter()
     if not raw.train:
         raise UserError(f"{raw.name}: no rows")
@@ -145,6 +145,8 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
         raise UserError(f"{raw.train[0].get(WHERE, raw.name)}: cannot tell the row format from its fields "
                         f"({describe_keys(raw.train[0])}); expected one of {', '.join(FORMATS)} (SPEC section 2)")
 
+    problems: list[str] = []
+
     def parse(rows: list[dict[str, Any]]) -> list[Example]:
         out = []
         for row in rows:
@@ -152,6 +154,10 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
                 ex = parse_row(row, fmt)
             except Dropped as d:
                 counts[f"dropped_{d.reason}"] += 1
+                continue
+            except UserError as bad:  # a missing or mistyped field: dropped and counted (SPEC 2), reported below
+                counts["dropped_malformed"] += 1
+                problems.append(str(bad))
                 continue
             if fmt == JUDGE and judge_system:
                 # The rubric goes first and the A/B answers stay where they are (positions are the label).
@@ -171,7 +177,17 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
         eval_rows, train_rows = part[:n_eval], part[n_eval:]
     if data.max_eval_rows and len(eval_rows) > data.max_eval_rows:
         eval_rows = eval_rows[: data.max_eval_rows]
-    return fmt, parse(_weighted(train_rows, spec.weight)), parse(eval_rows), counts
+    train, evals = parse(_weighted(train_rows, spec.weight)), parse(eval_rows)
+    if problems:
+        seen = len(train) + len(evals) + sum(counts.values())
+        if 2 * len(problems) > seen:  # mostly malformed: a wrong file or wrong field names, not a few bad rows
+            raise UserError(f"{problems[0]} ({len(problems)} of {seen} rows of {raw.name} in this phase are "
+                            "malformed)")
+        for text in problems[:3]:
+            log(f"data: dropped a malformed row: {text}")
+        if len(problems) > 3:
+            log(f"data: ... and {len(problems) - 3} more malformed rows in {raw.name}")
+    return fmt, train, evals, counts
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
@@ -293,7 +309,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     sources = []
     for spec in specs:
         raw = load_source(spec)
-        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data, judge_system)
+        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data, judge_system, log)
         counts.update(c)
         before = len(train)
         train += tokenize_examples(tr, phase, tokenizer, data, counts)

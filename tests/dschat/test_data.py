@@ -100,12 +100,22 @@ def test_conversational_pairwise_shared_prefix():
     assert ex.prompt == q and ex.chosen == "已发货" and ex.rejected == "不知道"
 
 
-def test_missing_field_names_file_line_and_field(tmp_path, tok):
-    rows = pairwise_rows(3)
+def test_a_malformed_row_is_dropped_counted_and_named_by_file_line_and_field(tmp_path, tok):
+    rows = pairwise_rows(20)
     del rows[2]["rejected"]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(UserError, match=r"bad\.jsonl:3: missing field 'rejected'"):
-        load_phase(args([path]), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    lines: list[str] = []
+    pd = load_phase(args([path], data_split="10,0,0", eval_fraction=0.0), 1, tok, seed=0, use_cache=False,
+                    log=lines.append)
+    assert pd.counts["dropped_malformed"] == 1 and pd.counts["train_rows"] == 19
+    assert any(re.search(r"dropped a malformed row: .*bad\.jsonl:3: missing field 'rejected'", x) for x in lines)
+
+
+def test_a_mostly_malformed_file_stops_with_file_line_and_field(tmp_path, tok):
+    rows = [{"context_messages": [{"role": "user", "content": f"问题{i}"}], "winner": "A"} for i in range(6)]
+    path = write_jsonl(tmp_path / "typo.jsonl", rows)
+    with pytest.raises(UserError, match=r"typo\.jsonl:\d+: field 'winner' must be .*\(6 of 6 rows .* malformed\)"):
+        load_phase(args([path], data_split="0,0,10"), 3, tok, seed=0, use_cache=False, log=lambda _: None)
 
 
 def test_malformed_json_names_line(tmp_path, tok):
