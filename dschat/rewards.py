@@ -42,20 +42,20 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RM = "rm"  # the reward model's end score, computed by stage 3
 JUDGE_TAIL_CHARS = TAIL_CHARS  # RM-R1 reads the verdict from the end of the judge's completion only
 
-# ``<think>...</think>`` then ``<answer>...</answer>``, whitespace allowed around and between them (the demo
-# completions start with a space). The tag counts are checked separately, so ".*" may not hide a second pair.
-_FORMAT_RE = re.compile(r"\s*<think>.*</think>\s*<answer>.*</answer>\s*", re.DOTALL)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 # ------------------------------------------------------------------------------------------------ rules
 def format_reward(prompts: list[str], completions: list[str], **row_fields: Any) -> list[float]:
-    """1.0 when the completion is exactly one ``<think>...</think>`` followed by exactly one
-    ``<answer>...</answer>`` (only whitespace outside and between them), else 0.0 (DeepSeek-R1's format reward)."""
+    """1.0 when each of ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` is present exactly once, in that
+    order (SPEC 6: tags present, once each), else 0.0. Text around the blocks is not judged here: a length or
+    content rule does that, and GRPO needs only the tags to find the answer."""
+    tags = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
     out = []
     for text in completions:
-        once = all(text.count(tag) == 1 for tag in (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE))
-        out.append(1.0 if once and _FORMAT_RE.fullmatch(text) else 0.0)
+        once = all(text.count(tag) == 1 for tag in tags)
+        ordered = once and [text.index(t) for t in tags] == sorted(text.index(t) for t in tags)
+        out.append(1.0 if ordered else 0.0)
     return out
 
 

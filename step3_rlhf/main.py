@@ -165,6 +165,8 @@ class GRPOArgs:
                                             "buffer to -overlong_factor at max_answer_seq_len (default: a quarter "
                                             "of --max-answer-seq-len).")
     overlong_factor: float = arg(1.0, "Reward 'overlong': the penalty at max_answer_seq_len.")
+    overlong_penalty: bool | None = arg(None, "Add the reward 'overlong' (DAPO's soft overlong punishment, weight "
+                                              "1) to the reward functions. Default: on with --loss-type dapo only.")
     reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
                                        "accuracy, judge_match, overlong, or path/to/file.py:function. Default: rm "
                                        "with --reward-model, else format and accuracy.", factory=list)
@@ -214,10 +216,25 @@ class RLHFConfig:
 
 
 def reward_func_names(cfg: RLHFConfig) -> list[str]:
-    """The reward sources of a GRPO run: --reward-funcs, else rm with a reward model, else format + accuracy."""
-    if cfg.grpo.reward_funcs:
-        return list(cfg.grpo.reward_funcs)
-    return [RM] if cfg.models.reward_model else ["format", "accuracy"]
+    """The reward sources of a GRPO run: --reward-funcs, else rm with a reward model, else format + accuracy;
+    plus 'overlong' with --overlong-penalty (default with dapo, whose recipe includes it; SPEC 6)."""
+    g = cfg.grpo
+    names = list(g.reward_funcs) or ([RM] if cfg.models.reward_model else ["format", "accuracy"])
+    if overlong_penalty_of(g) and "overlong" not in names:
+        names.append("overlong")
+    return names
+
+
+def overlong_penalty_of(g: GRPOArgs) -> bool:
+    return g.overlong_penalty if g.overlong_penalty is not None else g.loss_type == "dapo"
+
+
+def reward_weights_of(g: GRPOArgs, names: list[str]) -> list[float]:
+    """--reward-weights, with weight 1 for an 'overlong' that --overlong-penalty added after them."""
+    weights = parse_weights(g.reward_weights)
+    if weights and len(weights) == len(names) - 1 and names[-1] == "overlong" and "overlong" not in g.reward_funcs:
+        weights.append(1.0)
+    return weights
 
 
 def eps_high_of(g: GRPOArgs) -> float:
@@ -411,7 +428,7 @@ def build_scorer(cfg: RLHFConfig, models: Models, retok: Retokenizer | None) -> 
     g = cfg.grpo
     names = reward_func_names(cfg)
     funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names}
-    return Scorer(RewardMixer(names, parse_weights(g.reward_weights), funcs), models, retok)
+    return Scorer(RewardMixer(names, reward_weights_of(g, names), funcs), models, retok)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:

@@ -29,12 +29,12 @@ def test_format_needs_one_think_then_one_answer():
         "<answer>78</answer>",  # no think
         "<think>a</think><think>b</think><answer>1</answer>",  # two thinks
         "<think>a</think><answer>1</answer><answer>2</answer>",  # two answers
-        "<think>a</think> so <answer>1</answer>",  # text between the blocks
-        "Sure! <think>a</think><answer>1</answer>",  # text before
-        "<think>a</think><answer>1</answer> done",  # text after
         "<think>a<answer>1</answer></think>",  # nested
+        "<think>a</think> so <answer>1</answer>",  # SPEC 6 asks only for the tags, once each and in order:
+        "Sure! <think>a</think><answer>1</answer>",  # text before,
+        "<think>a</think><answer>1</answer> done",  # between or after the blocks does not matter
     ]
-    assert format_reward([""] * len(completions), completions) == [1.0, 1.0] + [0.0] * 9
+    assert format_reward([""] * len(completions), completions) == [1.0, 1.0] + [0.0] * 6 + [1.0] * 3
 
 
 @pytest.mark.parametrize("predicted, truth, same", [

@@ -221,3 +221,20 @@ def test_optimizer_step_normalizers_follow_the_accumulation_windows():
     assert optimizer_step_normalizers(mbs, "dapo", 6, micro_steps=3, grad_accum=2) == [5 / 2, 9 / 2, 9 / 2, 6 / 2]
     assert optimizer_step_normalizers(mbs, "grpo", 6, micro_steps=4, grad_accum=2) == [3 / 2, 3 / 2, 4 / 2, 4 / 2]
     assert optimizer_step_normalizers(mbs, "dr_grpo", 6, micro_steps=0, grad_accum=4) == [48 / 4] * 4
+
+
+def test_dapo_adds_the_soft_overlong_penalty_unless_told_not_to():
+    from step3_rlhf.main import RLHFConfig, reward_func_names, reward_weights_of
+
+    def cfg(**kw):
+        return build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", **kw})
+
+    assert reward_func_names(cfg(loss_type="grpo")) == ["format", "accuracy"]
+    assert reward_func_names(cfg(loss_type="dapo")) == ["format", "accuracy", "overlong"]
+    assert reward_func_names(cfg(loss_type="dapo", overlong_penalty=False)) == ["format", "accuracy"]
+    assert reward_func_names(cfg(loss_type="grpo", overlong_penalty=True)) == ["format", "accuracy", "overlong"]
+    c = cfg(loss_type="dapo", reward_funcs=["format", "overlong"], reward_weights=["0.5", "2"])
+    assert reward_func_names(c) == ["format", "overlong"] and reward_weights_of(c.grpo, ["format", "overlong"]) == [
+        0.5, 2.0]
+    c = cfg(loss_type="dapo", reward_funcs=["format"], reward_weights=["0.5"])
+    assert reward_weights_of(c.grpo, reward_func_names(c)) == [0.5, 1.0]
