@@ -64,7 +64,12 @@ def evaluate_judge_files(model: str, data: list[str], s: SamplingArgs, system_pr
     judgements, cut = judge_prompts(lm, tok, [r.messages for r in rows], s, prompt_budget(limit, s.max_new_tokens),
                                     progress=progress)
     metrics = judge_metrics([j.verdict for j in judgements], [r.winner for r in rows])
+    # judge_match reads only the verdict, so RL may erode the reasoning format around it: worth watching.
     from dschat.chat import chat_model_dir
+    from dschat.rewards import format_reward
+
+    completions = [c for j in judgements for c in j.completions]
+    metrics["format_rate"] = sum(format_reward([], completions)) / len(completions)
 
     metrics.update({"model": chat_model_dir(model), "data": data, "votes": s.votes,
                     "max_new_tokens": s.max_new_tokens, "temperature": s.temperature if s.votes > 1 else 0.0,
@@ -84,6 +89,7 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
     click.echo(f"accuracy_when_a: {f(m['accuracy_when_a'])}")
     click.echo(f"accuracy_when_b: {f(m['accuracy_when_b'])}")
     click.echo(f"position_bias: {f(m['position_bias'])}")
+    click.echo(f"format_rate: {f(m['format_rate'])} (one <think>...</think> then one <answer>...</answer>)")
 
 
 @main.command("judge")

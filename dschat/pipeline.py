@@ -1,4 +1,5 @@
-"""``dschat pipeline``: run stages 1 -> 2 -> 3 (or 1 -> GRPO), each consuming the previous stage's checkpoint.
+"""``dschat pipeline``: run stages 1 -> 2 -> 3 (or 1 -> GRPO, or a judge: 1 -> GRPO on judge rows), each
+consuming the previous stage's checkpoint.
 
 Each stage runs in its own process (``dschat train --step N``), so memory is returned between stages and
 ``--num-gpus``/``--hostfile`` work as for ``train``. A stage whose output folder already holds a finished run
@@ -21,13 +22,17 @@ from dschat.cli import main
 from dschat.errors import UserError
 from dschat.utils import write_json
 
-STAGES = {"sft": 1, "rm": 2, "ppo": 3, "grpo": 3}
-FOLDERS = {"sft": "step1_sft", "rm": "step2_reward", "ppo": "step3_rlhf", "grpo": "step3_grpo"}
-ORDER = ["sft", "rm", "ppo", "grpo"]
+STAGES = {"sft": 1, "rm": 2, "ppo": 3, "grpo": 3, "judge": 3}
+FOLDERS = {"sft": "step1_sft", "rm": "step2_reward", "ppo": "step3_rlhf", "grpo": "step3_grpo", "judge": "step3_judge"}
+ORDER = ["sft", "rm", "ppo", "grpo", "judge"]
 ALL = ["sft", "rm", "ppo"]
 # The GRPO pipeline: SFT (its own folder: in the demo it trains on other data than the PPO pipeline's SFT) -> GRPO.
 GRPO = ["sft", "grpo"]
 GRPO_SFT_FOLDER = "step1_sft_grpo"
+# The generative-judge pipeline (RM-R1): cold-start SFT on judge completions -> GRPO with judge_match on judge rows,
+# then `dschat eval --judge` of both models on held-out judge rows.
+JUDGE = ["sft", "judge"]
+JUDGE_SFT_FOLDER = "step1_sft_judge"
 
 # The embedded demo's recipe: sized so `dschat pipeline all` finishes in minutes on a 2-core CPU and the PPO
 # reward rises well beyond its standard error. Real runs override any of it with --sft-args/--rm-args/--rl-args.
@@ -52,61 +57,108 @@ GRPO_DEMO_ARGS = {
              "--max-answer-seq-len", "32", "--actor-learning-rate", "2e-4", "--eval-fraction", "0.2",
              "--max-eval-rows", "200", "--per-device-eval-batch-size", "50"],
 }
+# `dschat pipeline judge` on the demo (RM-R1's recipe, scaled down): one SFT epoch on 1000 cold-start judge
+# completions ending in the true verdict (demo file judge_sft; RM-R1's distillation step), then GRPO with only the
+# judge_match reward on 900 other judge rows; both judges are evaluated greedily on 300 held-out rows (judge_eval).
+# (A cold start with random verdicts teaches the format alone; GRPO from that chance-level judge only swung between
+# always-A and always-B in 40 steps, so the demo distils first, as RM-R1 does.)
+JUDGE_DEMO_ARGS = {
+    "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8",
+            "--max-seq-len", "320"],
+    "judge": ["--data-split", "0,0,1", "--max-steps", "100", "--num-generations", "4",
+              "--per-device-generation-batch-size", "16", "--per-device-training-batch-size", "16",
+              "--max-answer-seq-len", "40", "--max-prompt-seq-len", "256", "--actor-learning-rate", "1e-4",
+              "--beta", "0.001", "--eval-fraction", "0.1", "--max-eval-rows", "100",
+              "--per-device-eval-batch-size", "50"],
+}
+# The judges' evaluation: greedy, with the completion budget GRPO trained with.
+JUDGE_EVAL_ARGS = ["--max-new-tokens", "40", "--batch-size", "50"]
 
 
 def parse_stages(text: str) -> list[str]:
-    """``all`` = sft,rm,ppo; ``grpo`` = sft,grpo (the GRPO pipeline); else a comma list of stages, run in order.
-    GRPO does not combine with rm/ppo in one call: its SFT stage is its own (folder ``step1_sft_grpo``)."""
+    """``all`` = sft,rm,ppo; ``grpo`` = sft,grpo (the GRPO pipeline); ``judge`` = sft,judge (the generative judge
+    pipeline); else a comma list of stages, run in order. The three pipelines do not mix in one call: the SFT
+    stages of the GRPO and judge pipelines are their own (folders ``step1_sft_grpo``, ``step1_sft_judge``)."""
     if text == "all":
         return list(ALL)
-    names = list(GRPO) if text == "grpo" else [s.strip() for s in text.split(",") if s.strip()]
+    presets = {"grpo": GRPO, "judge": JUDGE}
+    names = list(presets[text]) if text in presets else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown or not names:
         raise UserError(f"unknown pipeline stage(s) {', '.join(unknown) or text!r}; use all (sft,rm,ppo), grpo "
-                        f"(sft,grpo) or a list of {', '.join(ORDER)}")
-    if "grpo" in names and {"rm", "ppo"} & set(names):
-        raise UserError("the GRPO pipeline (sft,grpo) and the PPO pipeline (sft,rm,ppo) are separate runs; "
-                        "run `dschat pipeline grpo` and `dschat pipeline all` one after the other")
+                        f"(sft,grpo), judge (sft,judge) or a list of {', '.join(ORDER)}")
+    pipelines = [p for p, members in (("ppo", {"rm", "ppo"}), ("grpo", {"grpo"}), ("judge", {"judge"}))
+                 if members & set(names)]
+    if len(pipelines) > 1:
+        raise UserError("the PPO pipeline (sft,rm,ppo), the GRPO pipeline (sft,grpo) and the judge pipeline "
+                        "(sft,judge) are separate runs; run `dschat pipeline all`, `dschat pipeline grpo` and "
+                        "`dschat pipeline judge` one after the other")
     return sorted(set(names), key=ORDER.index)
 
 
 def folder_of(name: str, names: list[str]) -> str:
-    """A stage's output folder; the SFT of the GRPO pipeline has its own."""
-    return GRPO_SFT_FOLDER if name == "sft" and "grpo" in names else FOLDERS[name]
+    """A stage's output folder; the SFT of the GRPO and judge pipelines has its own."""
+    if name == "sft" and "grpo" in names:
+        return GRPO_SFT_FOLDER
+    if name == "sft" and "judge" in names:
+        return JUDGE_SFT_FOLDER
+    return FOLDERS[name]
 
 
 def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[str], demo: bool,
                extra: dict[str, list[str]], names: list[str] | None = None) -> list[str]:
     names = names or ALL
-    grpo = "grpo" in names
+    grpo, judge = "grpo" in names, "judge" in names
     argv = ["--step", str(STAGES[name])]
     if name == "sft":
         argv += ["--model", model]
     elif name == "rm":
         argv += ["--model", reward_base if reward_base else str(out / FOLDERS["sft"] / "model")]
-    elif name == "grpo":
-        argv += ["--actor-model", str(out / GRPO_SFT_FOLDER / "model")]
+    elif name in ("grpo", "judge"):
+        argv += ["--actor-model", str(out / folder_of("sft", names) / "model")]
     else:
         argv += ["--actor-model", str(out / FOLDERS["sft"] / "model"),
                  "--reward-model", str(out / FOLDERS["rm"] / "model")]
-    if demo and grpo:  # the GRPO demo's data: worked solutions for SFT, prompt-only rows for GRPO
+    if demo and (grpo or judge):  # demo data: format warm-up rows for SFT, rows with a ground truth for GRPO
         from dschat.data.phases import demo_files
 
-        data = [str(demo_files()["prompts_sft" if name == "sft" else "prompts"])]
+        files = {"sft": "judge_sft", "judge": "judge"} if judge else {"sft": "prompts_sft", "grpo": "prompts"}
+        data = [str(demo_files()[files[name]])]
     for d in data:
         argv += ["--data", d]
     argv += ["--output-dir", str(out / folder_of(name, names))]
+    if name == "judge":  # a judge learns from its verdicts, whatever the data
+        argv += ["--algo", "grpo", "--reward-funcs", "judge_match"]
     if demo:
-        argv += (GRPO_DEMO_ARGS if grpo else DEMO_ARGS)[name]
+        argv += (JUDGE_DEMO_ARGS if judge else GRPO_DEMO_ARGS if grpo else DEMO_ARGS)[name]
     return argv + extra.get(name, [])
 
 
 def summarize(out: Path, timings: dict[str, float], names: list[str] | None = None) -> dict[str, Any]:
-    def load(name: str) -> dict[str, Any]:
-        path = out / name / "eval.json"
+    def load(name: str) -> dict[str, Any]:  # a stage folder's eval.json, or a .json file in the output folder
+        path = out / name if name.endswith(".json") else out / name / "eval.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
     names = names or ALL
+    if "judge" in names:
+        sft, rl = load(JUDGE_SFT_FOLDER), load(FOLDERS["judge"])
+        report: dict[str, Any] = {
+            "sft_perplexity_before": sft.get("perplexity_before"), "sft_perplexity": sft.get("perplexity"),
+            "judge_match_reward_before": rl.get("reward_before"), "judge_match_reward_after": rl.get("reward_after"),
+            "judge_match_reward_gain_se": rl.get("reward_gain_se"), "judge_kl_after": rl.get("kl_after"),
+        }
+        evals = {when: load(f"judge_eval_{when}.json") for when in ("before", "after")}
+        for when, m in evals.items():
+            for key in ("accuracy", "accuracy_se", "unparseable_rate", "accuracy_when_a", "accuracy_when_b",
+                        "position_bias", "format_rate", "n"):
+                report[f"judge_{key}_{when}"] = m.get(key)
+        b, a = evals["before"], evals["after"]
+        if b.get("accuracy") is not None and a.get("accuracy") is not None:
+            from dschat.judge import paired_gain_se
+
+            report["judge_accuracy_gain"] = a["accuracy"] - b["accuracy"]
+            report["judge_accuracy_gain_se"] = paired_gain_se(b["correct"], a["correct"])
+        return {**report, "seconds": timings}
     if "grpo" in names:
         sft, rl = load(GRPO_SFT_FOLDER), load(FOLDERS["grpo"])
         funcs = rl.get("reward_funcs") or []
@@ -129,6 +181,26 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
     }
 
 
+def judge_evals(out: Path, names: list[str], eval_data: list[str], eval_args: list[str],
+                timings: dict[str, float]) -> None:
+    """``dschat eval --judge`` of the SFT judge (before) and the GRPO judge (after) on the same held-out rows, each
+    in its own process, into ``O/judge_eval_{before,after}.json``."""
+    models = {"before": out / folder_of("sft", names) / "model", "after": out / FOLDERS["judge"] / "actor"}
+    for when, model in models.items():
+        if not (model / "config.json").exists():
+            click.echo(f"[pipeline] judge eval {when}: no model at {model}; skipped", err=True)
+            continue
+        argv = ["eval", "--judge", "--model", str(model), *[a for d in eval_data for a in ("--data", d)],
+                "--output", str(out / f"judge_eval_{when}.json"), "--no-progress", *JUDGE_EVAL_ARGS, *eval_args]
+        click.echo(f"[pipeline] judge eval {when}: dschat {' '.join(shlex.quote(a) for a in argv)}", err=True)
+        t0 = time.time()
+        rc = subprocess.call([sys.executable, "-c", "from dschat.cli import cli; cli()", *argv],
+                             stdout=subprocess.DEVNULL)
+        timings[f"eval_{when}"] = round(time.time() - t0, 1)
+        if rc != 0:
+            raise UserError(f"judge evaluation ({when}) failed (exit code {rc})")
+
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, int | float) else "-"
 
@@ -148,17 +220,23 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 @click.option("--sft-args", default="", help="Extra stage-1 flags, e.g. \"--max-steps 100 --zero-stage 2\".")
 @click.option("--rm-args", default="", help="Extra stage-2 flags.")
 @click.option("--rl-args", default="", help="Extra stage-3 flags.")
+@click.option("--eval-data", multiple=True, help="judge: held-out judge rows on which the SFT and the GRPO judges "
+                                                  "are evaluated (default: the demo's held-out file in the demo; "
+                                                  "none otherwise, and the evaluation is skipped).")
+@click.option("--eval-args", default="", help="judge: extra `dschat eval --judge` flags, e.g. \"--votes 5\".")
 def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], output_dir: str, force: bool,
-             num_gpus: int | None, hostfile: str | None, sft_args: str, rm_args: str, rl_args: str) -> None:
-    """Run stages (all = sft,rm,ppo; grpo = sft,grpo), each consuming the previous checkpoint; report the results.
+             num_gpus: int | None, hostfile: str | None, sft_args: str, rm_args: str, rl_args: str,
+             eval_data: tuple[str, ...], eval_args: str) -> None:
+    """Run stages (all = sft,rm,ppo; grpo = sft,grpo; judge = sft,judge), each consuming the previous checkpoint;
+    report the results.
 
-    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo or grpo.
+    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo, grpo or judge.
     """
     names = parse_stages(stages)
     out = Path(output_dir)
     demo = model == "tiny" and not data
     rl = shlex.split(rl_args)
-    extra = {"sft": shlex.split(sft_args), "rm": shlex.split(rm_args), "ppo": rl, "grpo": rl}
+    extra = {"sft": shlex.split(sft_args), "rm": shlex.split(rm_args), "ppo": rl, "grpo": rl, "judge": rl}
     timings: dict[str, float] = {}
     for name in names:
         argv = stage_argv(name, out, model, reward_base, list(data), demo, extra, names)
@@ -180,12 +258,33 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
         timings[name] = round(time.time() - t0, 1)
         if rc != 0:
             raise UserError(f"pipeline stage {name} failed (exit code {rc}); later stages were not run")
+    if "judge" in names:
+        if not eval_data and demo:
+            from dschat.data.phases import demo_files
+
+            eval_data = (str(demo_files()["judge_eval"]),)
+        if eval_data:
+            judge_evals(out, names, list(eval_data), shlex.split(eval_args), timings)
     report = summarize(out, timings, names)
     write_json(out / "pipeline.json", report)
     click.echo("\n=== dschat pipeline report ===")
     click.echo(f"SFT   perplexity        {_fmt(report['sft_perplexity_before'], '.2f')} -> "
                f"{_fmt(report['sft_perplexity'], '.2f')}")
-    if "grpo" in names:
+    if "judge" in names:
+        click.echo(f"GRPO  judge_match       {_fmt(report['judge_match_reward_before'])} -> "
+                   f"{_fmt(report['judge_match_reward_after'])} (sampled, on GRPO's own held-out rows)")
+        click.echo(f"JUDGE accuracy          {_fmt(report['judge_accuracy_before'])} ± "
+                   f"{_fmt(report['judge_accuracy_se_before'])} -> {_fmt(report['judge_accuracy_after'])} ± "
+                   f"{_fmt(report['judge_accuracy_se_after'])} (gain {_fmt(report.get('judge_accuracy_gain'))} ± "
+                   f"{_fmt(report.get('judge_accuracy_gain_se'))} s.e., {report['judge_n_after'] or '-'} held-out "
+                   "rows, greedy)")
+        click.echo(f"      unparseable       {_fmt(report['judge_unparseable_rate_before'])} -> "
+                   f"{_fmt(report['judge_unparseable_rate_after'])}")
+        click.echo(f"      position bias     {_fmt(report['judge_position_bias_before'])} -> "
+                   f"{_fmt(report['judge_position_bias_after'])} (accuracy when A wins minus when B wins)")
+        click.echo(f"      format            {_fmt(report['judge_format_rate_before'])} -> "
+                   f"{_fmt(report['judge_format_rate_after'])} (<think>..</think> then <answer>..</answer>)")
+    elif "grpo" in names:
         click.echo(f"GRPO  reward            {_fmt(report['grpo_reward_before'])} -> "
                    f"{_fmt(report['grpo_reward_after'])} (gain {_fmt(report['grpo_reward_gain'])} ± "
                    f"{_fmt(report['grpo_reward_gain_se'])} s.e.), loss {report['grpo_loss_type'] or '-'}")

@@ -86,6 +86,7 @@ PROMPTS_SFT_SEED = 1
 # Seeds of the judge demo's other files: the cold-start SFT rows and the held-out evaluation rows are drawn from
 # streams of their own, so neither shares a row with the GRPO judge rows (seed 0) or with each other.
 JUDGE_SFT_SEED = 1
+JUDGE_SFT_VERDICTS = "winner"  # the cold start's verdicts: the true winner (RM-R1's distillation) or "random"
 JUDGE_EVAL_SEED = 2
 JUDGE_EVAL_ROWS = 300
 
@@ -94,8 +95,8 @@ def demo_files() -> dict[str, Path]:
     """The demo files, in a cache folder keyed by the generator's source, so an edited corpus never reuses stale
     files: ``pairwise``, ``prompts`` (GRPO prompt-only rows), ``judge`` (RM-R1 rows) and ``prompts_sft``
     (prompt/response rows of other arithmetic prompts with worked ``<think>..</think><answer>..</answer>``
-    completions, to warm up the format with SFT before GRPO); ``judge_sft`` (judge rows with a cold-start
-    ``response`` whose verdict is random: SFT teaches the format, not the judging) and ``judge_eval`` (held-out
+    completions, to warm up the format with SFT before GRPO); ``judge_sft`` (other judge rows with a cold-start
+    ``response`` ending in the true winner's verdict, RM-R1's distillation step) and ``judge_eval`` (held-out
     judge rows for ``dschat eval --judge``)."""
     import hashlib
 
@@ -111,9 +112,9 @@ def demo_files() -> dict[str, Path]:
     if not files["prompts_sft"].exists():
         rows = corpus.generate_prompts(seed=PROMPTS_SFT_SEED, with_solution=True)
         corpus.write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["prompts_sft"])
-    files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}.jsonl"
+    files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}-{JUDGE_SFT_VERDICTS}.jsonl"
     if not files["judge_sft"].exists():
-        corpus.write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts="random"),
+        corpus.write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts=JUDGE_SFT_VERDICTS),
                            files["judge_sft"])
     files["judge_eval"] = folder / f"judge_eval-seed{JUDGE_EVAL_SEED}.jsonl"
     if not files["judge_eval"].exists():

@@ -962,8 +962,9 @@ def generate_judge_pairs(
 
 
 # The cold-start judge completion: a fixed analysis in the row's language, then the verdict. RM-R1 distils
-# question-specific reasoning from a stronger model first; the demo has no teacher, so its cold start teaches only
-# the format (the think block, the verdict tags) and leaves the judging itself to GRPO.
+# question-specific reasoning traces from stronger models before GRPO; the demo has no teacher, so its "trace" is
+# one sentence restating the rubric, followed by the true winner's verdict (or, for a format-only cold start, a
+# random one).
 _ZH_JUDGE_THINK = "比较两个回答是否体谅顾客、给出具体的处理步骤，并说明订单号或处理时限。"
 _EN_JUDGE_THINK = "Compare empathy, a concrete next step, and the order number or a time frame."
 

@@ -261,7 +261,7 @@ def test_eval_judge_and_judge_commands_on_the_tiny_model(tmp_path):
     m = read_json(tmp_path / "m.json")
     assert m["n"] == 6 and m["votes"] == 2 and m["rows_winner_a"] == 3
     # the untrained tiny model writes no verdict in 4 tokens: everything is unparseable, so accuracy is 0
-    assert m["unparseable_rate"] == 1.0 and m["accuracy"] == 0.0
+    assert m["unparseable_rate"] == 1.0 and m["accuracy"] == 0.0 and m["format_rate"] == 0.0
     write_jsonl([{"prompt": "x", "chosen": "a", "rejected": "b"}], tmp_path / "pairs.jsonl")
     proc = run_cli("eval", "--judge", "--model", "tiny", "--data", str(tmp_path / "pairs.jsonl"))
     assert proc.returncode == 2 and "needs judge-pairwise rows" in proc.stderr
