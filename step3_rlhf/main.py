@@ -35,6 +35,7 @@ from dschat.data import DataCollatorRLHF, DataCollatorSFT, load_phase
 from dschat.data.phases import demo_files
 from dschat.errors import UserError
 from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
+from dschat.judge import JUDGE, load_judge_reward
 from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
 from dschat.resume import Checkpointer, latest_state, truncate_metrics
@@ -72,6 +73,10 @@ class RLModelArgs:
     reward_model: str = arg("", "Reward model: a step-2 output (…/model). Required for PPO; optional for GRPO "
                                 "(the reward function 'rm').")
     critic_model: str = arg("", "Critic initialisation (default: the reward model). PPO only.")
+    judge_model: str = arg("", "Generative judge (RM-R1) of the reward function 'judge' (GRPO only): a causal LM, "
+                               "e.g. a `dschat pipeline judge` output. It compares each completion with the row's "
+                               "reference answer in both orders (+1 better, -1 worse, 0 unparseable; averaged).")
+    judge_max_new_tokens: int = arg(128, "Longest completion of the judge of the reward function 'judge'.")
     dtype: str = arg("auto", "Parameter dtype; auto = fp32 on CPU, bf16 (else fp16) on CUDA.",
                      choices=("auto", "fp32", "bf16", "fp16"))
     trust_remote_code: bool = arg(False, "Allow model code shipped with the checkpoints.")
@@ -168,7 +173,8 @@ class GRPOArgs:
     overlong_penalty: bool | None = arg(None, "Add the reward 'overlong' (DAPO's soft overlong punishment, weight "
                                               "1) to the reward functions. Default: on with --loss-type dapo only.")
     reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
-                                       "accuracy, judge_match, overlong, or path/to/file.py:function. Default: rm "
+                                       "accuracy, judge_match, overlong, judge (a generative judge, --judge-model), "
+                                       "or path/to/file.py:function. Default: rm "
                                        "with --reward-model, else format and accuracy.", factory=list)
     reward_weights: list[str] = arg(help="Weight of each --reward-funcs entry, in order (repeatable floats; "
                                          "default 1 each).", factory=list)
@@ -256,7 +262,12 @@ def check_config(cfg: RLHFConfig) -> None:
         if not cfg.models.reward_model:
             raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
                             "step-2 output)")
+        if cfg.models.judge_model:
+            raise UserError("--judge-model (the reward function 'judge') works with --algo grpo; PPO scores with "
+                            "--reward-model")
         return
+    if JUDGE in reward_func_names(cfg) and not cfg.models.judge_model:
+        raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
     if g.num_generations < 2:
         raise UserError("--num-generations must be >= 2: GRPO's advantage compares completions of one prompt")
     if g.num_iterations < 1 or g.max_resample_rounds < 0:
@@ -272,7 +283,7 @@ def check_config(cfg: RLHFConfig) -> None:
 def check_reward_data(names: list[str], rows: list[dict[str, Any]]) -> None:
     """Rules that compare with a ground truth stop before any model loads when prompts have none."""
     missing = sum(r.get("answer") is None for r in rows)
-    for name in ("accuracy", "judge_match"):
+    for name in ("accuracy", "judge_match", JUDGE):
         if name in names and missing:
             raise UserError(f"reward '{name}' needs a ground truth, but {missing} of {len(rows)} prompts have none; "
                             "pass prompt-only rows with an 'answer' (or judge rows with a 'winner') via --data")
@@ -427,7 +438,12 @@ def build_scorer(cfg: RLHFConfig, models: Models, retok: Retokenizer | None) -> 
         return Scorer(RewardMixer([RM], funcs={RM: None}), models, retok)
     g = cfg.grpo
     names = reward_func_names(cfg)
-    funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names}
+    funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names
+             if n != JUDGE}
+    if JUDGE in names:  # a model, not a rule: loaded here, on this rank's device, with the run's rubric
+        m = cfg.models
+        funcs[JUDGE] = load_judge_reward(m.judge_model, m.judge_max_new_tokens, cfg.data.judge_system_prompt, m.dtype,
+                                         m.trust_remote_code)
     return Scorer(RewardMixer(names, reward_weights_of(g, names), funcs), models, retok)
 
 
