@@ -34,15 +34,16 @@ OUTPUT_DIR="${OUTPUT_DIR:-output/rm_r1_judge}"
 dschat=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli import cli; cli()')
 
 if [[ "$TINY" == 1 ]]; then
-  # The demo files (the same ones `dschat pipeline judge` uses) and the tiny model's scale: it is 1.4M parameters
-  # trained from scratch, so it takes a toy learning rate, short prompts and completions, and a few steps.
+  # The demo files and settings of `dschat pipeline judge` (its measured run is in the README): the model is 1.4M
+  # parameters trained from scratch, so it takes a toy learning rate, short prompts and completions, 4 completions
+  # per prompt instead of 7, and 100 steps.
   mapfile -t demo < <("$PYTHON" -c 'from dschat.data.phases import demo_files as d; f = d()
 print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   MODEL=tiny DATA="${demo[0]}" SFT_DATA="${demo[1]}" EVAL_DATA="${demo[2]}" NUM_GPUS=0
   OUTPUT_DIR="${OUTPUT_DIR/%rm_r1_judge/rm_r1_judge_tiny}"
   sft_flags=(--data-split 1,0,0 --num-train-epochs 1 --per-device-train-batch-size 8 --max-seq-len 320)
-  scale=(--max-steps 100 --per-device-generation-batch-size 16 --per-device-training-batch-size 16
-         --max-prompt-seq-len 256 --max-answer-seq-len 40 --actor-learning-rate 2e-4 --eval-fraction 0.1
+  scale=(--max-steps 100 --num-generations 4 --per-device-generation-batch-size 16 --per-device-training-batch-size 16
+         --max-prompt-seq-len 256 --max-answer-seq-len 40 --actor-learning-rate 1e-4 --eval-fraction 0.1
          --max-eval-rows 100 --per-device-eval-batch-size 50)
   eval_flags=(--max-new-tokens 40 --batch-size 50)
 else

@@ -252,6 +252,26 @@ def test_batched_left_padded_greedy_equals_one_by_one_and_votes_are_seeded(tok):
     assert cut == 5 and all(len(x) == 50 and x[0] == tok.bos_token_id for x in cut_ids)
 
 
+def test_evaluate_judge_files_in_process(tmp_path):
+    from dschat.judge_cmd import evaluate_judge_files
+
+    write_jsonl(generate_judge_pairs(6, seed=2, with_rubric=False), tmp_path / "held_out.jsonl")
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Be fair.", encoding="utf-8")
+    m = evaluate_judge_files("tiny", [str(tmp_path / "held_out.jsonl")], SamplingArgs(max_new_tokens=4, votes=2),
+                             str(rubric), progress=False)
+    assert m["n"] == 6 and m["votes"] == 2 and (m["rows_winner_a"], m["rows_winner_b"]) == (3, 3)
+    # the untrained tiny model writes no verdict in 4 tokens: everything is unparseable, so accuracy is 0
+    assert m["unparseable_rate"] == 1.0 and m["accuracy"] == 0.0 and m["format_rate"] == 0.0
+    assert len(m["correct"]) == 6 and m["truncated_prompts"] == 0
+    write_jsonl([{"prompt": "x", "chosen": "a", "rejected": "b"}], tmp_path / "pairs.jsonl")
+    with pytest.raises(UserError, match="needs judge-pairwise rows"):
+        evaluate_judge_files("tiny", [str(tmp_path / "pairs.jsonl")], SamplingArgs(), progress=False)
+    with pytest.raises(UserError, match="--votes > 1 samples"):
+        evaluate_judge_files("tiny", [str(tmp_path / "held_out.jsonl")], SamplingArgs(votes=3, temperature=0))
+
+
+@pytest.mark.slow
 def test_eval_judge_and_judge_commands_on_the_tiny_model(tmp_path):
     write_jsonl(generate_judge_pairs(6, seed=2), tmp_path / "held_out.jsonl")
     proc = run_cli("eval", "--judge", "--model", "tiny", "--data", str(tmp_path / "held_out.jsonl"),
