@@ -117,3 +117,24 @@ def test_grpo_with_a_judge_reward_runs_end_to_end(tmp_path):
     rows = [r for r in read_jsonl(tmp_path / "o" / "metrics.jsonl") if f"train/reward/{JUDGE}" in r]
     assert len(rows) == 2
     assert read_json(tmp_path / "o" / "args.json")["judge_model"] == "tiny"
+
+
+@pytest.mark.slow
+def test_pipeline_judge_runs_sft_grpo_and_both_evals(tmp_path):
+    from dschat.demo.corpus import generate_judge_pairs, write_jsonl
+    from tests.helpers import run_cli
+
+    held = write_jsonl(generate_judge_pairs(4, seed=9), tmp_path / "held.jsonl")
+    out = tmp_path / "pipe"
+    proc = run_cli("pipeline", "judge", "--output-dir", str(out), "--sft-args", "--max-steps 4 --no-progress",
+                   "--rl-args", "--max-steps 1 --max-eval-rows 4 --max-answer-seq-len 8 --no-progress",
+                   "--eval-data", str(held), "--eval-args", "--max-new-tokens 4", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "JUDGE accuracy" in proc.stdout and "position bias" in proc.stdout
+    report = read_json(out / "pipeline.json")
+    assert set(report["seconds"]) == {"sft", "judge", "eval_before", "eval_after"}
+    assert report["judge_n_before"] == report["judge_n_after"] == 4
+    assert report["judge_accuracy_gain"] is not None
+    assert read_json(out / "judge_eval_after.json")["model"] == str(out / FOLDERS["judge"] / "actor")
+    args = read_json(out / FOLDERS["judge"] / "args.json")
+    assert args["reward_funcs"] == ["judge_match"] and args["actor_model"] == str(out / JUDGE_SFT_FOLDER / "model")
