@@ -157,7 +157,7 @@ RULES: dict[str, RewardFunc] = {
     "accuracy": accuracy_reward,
     "judge_match": judge_match_reward,
 }
-NAMES = (*RULES, "overlong", RM)
+NAMES = (*RULES, "overlong", RM, "judge")
 
 
 # ------------------------------------------------------------------------------------------- user functions
@@ -211,6 +211,8 @@ def get_reward_func(name: str, max_completion_length: int = 256, overlong_buffer
         return overlong_reward(max_completion_length, buffer, overlong_factor)
     if is_user_function(name):
         return load_user_function(name)
+    if name == "judge":  # a model, not a rule: dschat.judge.load_judge_reward builds it from --judge-model
+        raise UserError("reward function 'judge' needs a trained judge: pass --judge-model (stage 3, --algo grpo)")
     raise UserError(f"unknown reward function {name!r}; use one of {', '.join(NAMES)} or path/to/file.py:function")
 
 

@@ -219,6 +219,10 @@ def test_judge_reward_asks_both_orders_and_averages():
                                                       True)
     with pytest.raises(UserError, match="reference answer"):
         JudgeReward(scripted([]))(prompts, ["x", "y"], answer=[None, "ok"])
+    from dschat.rewards import get_reward_func
+
+    with pytest.raises(UserError, match="--judge-model"):  # a model, so only stage 3 can build it
+        get_reward_func("judge")
 
 
 def test_question_of_prompt_forms():
