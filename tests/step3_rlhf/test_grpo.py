@@ -84,7 +84,9 @@ def test_grpo_short_run_each_loss_type(tmp_path, reward_file, loss_type):
                 f"reward_{reward_file}_after", "kl_after"):
         assert ev[key] is not None, key
     assert ev["kl_before"] == pytest.approx(0.0, abs=1e-5)  # actor == reference before training
-    assert ev["reward_funcs"] == ["format", reward_file] and ev["reward_weights"] == [1.0, 0.5]
+    extra = ["overlong"] if loss_type == "dapo" else []  # dapo's soft overlong penalty, weight 1
+    assert ev["reward_funcs"] == ["format", reward_file, *extra]
+    assert ev["reward_weights"] == [1.0, 0.5] + [1.0] * len(extra)
     assert _moved(out) > 0.9  # the actor trained
     assert not (out / "critic").exists()  # GRPO has no critic
 
