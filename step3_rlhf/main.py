@@ -225,6 +225,8 @@ def reward_func_names(cfg: RLHFConfig) -> list[str]:
     """The reward sources of a GRPO run: --reward-funcs, else rm with a reward model, else format + accuracy;
     plus 'overlong' with --overlong-penalty (default with dapo, whose recipe includes it; SPEC 6)."""
     g = cfg.grpo
+    if cfg.ppo.algo == "ppo":  # PPO scores with its reward model unless told otherwise
+        return list(g.reward_funcs) or [RM]
     names = list(g.reward_funcs) or ([RM] if cfg.models.reward_model else ["format", "accuracy"])
     if overlong_penalty_of(g) and "overlong" not in names:
         names.append("overlong")
@@ -258,16 +260,15 @@ def check_config(cfg: RLHFConfig) -> None:
     p, g = cfg.ppo, cfg.grpo
     if not cfg.models.actor_model:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
-    if p.algo == "ppo":
-        if not cfg.models.reward_model:
-            raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
-                            "step-2 output)")
-        if cfg.models.judge_model:
-            raise UserError("--judge-model (the reward function 'judge') works with --algo grpo; PPO scores with "
-                            "--reward-model")
-        return
     if JUDGE in reward_func_names(cfg) and not cfg.models.judge_model:
         raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
+    if p.algo == "ppo":
+        if not cfg.models.reward_model and not (g.reward_funcs and cfg.models.critic_model):
+            raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
+                            "step-2 output), or --reward-funcs without 'rm' and a --critic-model")
+        if RM in reward_func_names(cfg) and not cfg.models.reward_model:
+            raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+        return
     if g.num_generations < 2:
         raise UserError("--num-generations must be >= 2: GRPO's advantage compares completions of one prompt")
     if g.num_iterations < 1 or g.max_resample_rounds < 0:
@@ -321,7 +322,7 @@ def build_models(cfg: RLHFConfig, total_steps: int) -> Models:
     m, e, p = cfg.models, cfg.engines, cfg.ppo
     ppo = p.algo == "ppo"
     need_ref = ppo or cfg.grpo.beta != 0.0
-    need_reward = ppo or RM in reward_func_names(cfg)
+    need_reward = RM in reward_func_names(cfg)
     actor_path = resolve_model(m.actor_model)
     reward_path = resolve_model(m.reward_model) if need_reward else ""
     tok = load_tokenizer(actor_path, m.trust_remote_code)
@@ -434,8 +435,6 @@ class Scorer:
 
 
 def build_scorer(cfg: RLHFConfig, models: Models, retok: Retokenizer | None) -> Scorer:
-    if cfg.ppo.algo == "ppo":
-        return Scorer(RewardMixer([RM], funcs={RM: None}), models, retok)
     g = cfg.grpo
     names = reward_func_names(cfg)
     funcs = {n: get_reward_func(n, cfg.ppo.max_answer_seq_len, g.overlong_buffer, g.overlong_factor) for n in names
@@ -490,9 +489,11 @@ class Experience:
         return out
 
 
-def score_rollout(models: Models, rollout: Rollout, p: PPOArgs, retok: Retokenizer | None) -> tuple[torch.Tensor,
-                                                                                                     torch.Tensor]:
-    raw = reward_scores(models.reward, rollout, retok)
+def score_rollout(models: Models, rollout: Rollout, p: PPOArgs, scorer: Scorer,
+                  batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's end score of each answer: the reward sources' weighted sum (the reward model alone by default), then
+    optionally normalised by the reward model's statistics and penalised when EOS was never reached."""
+    raw = scorer(rollout, batch).total.to(rollout.sequences.device)
     score = raw.clone()
     if p.normalize_reward and models.reward_stats is not None:
         mean, std = models.reward_stats
@@ -504,7 +505,7 @@ def score_rollout(models: Models, rollout: Rollout, p: PPOArgs, retok: Retokeniz
 
 @torch.no_grad()
 def make_experience(models: Models, hybrid: Any, batch: dict[str, Any], p: PPOArgs, gen: GenerationConfig,
-                    kl_ctl: float, retok: Retokenizer | None) -> tuple[Experience, int]:
+                    kl_ctl: float, scorer: Scorer) -> tuple[Experience, int]:
     rollout, dropped = generate_rollout(models, hybrid, batch, gen, min_answer_len=p.min_answer_len)
     # Old log-probs, reference log-probs and values in eval mode (no dropout), once per experience batch.
     models.actor.eval()
@@ -512,7 +513,7 @@ def make_experience(models: Models, hybrid: Any, batch: dict[str, Any], p: PPOAr
     old_logprobs = answer_logprobs(models.actor, rollout, p.temperature)
     ref_logprobs = answer_logprobs(models.ref, rollout, p.temperature)
     old_values = answer_values(models.critic, rollout).float()
-    raw, score = score_rollout(models, rollout, p, retok)
+    raw, score = score_rollout(models, rollout, p, scorer, batch)
     models.actor.train()
     models.critic.train()
     mask = rollout.action_mask
@@ -540,7 +541,7 @@ def concat_experience(parts: list[Experience], pad_token_id: int) -> Experience:
 
 
 def ppo_step(models: Models, hybrid: Any, stream: Iterator[dict[str, Any]], p: PPOArgs, gen: GenerationConfig,
-             kl_ctl: Any, retok: Retokenizer | None, shuffle: torch.Generator, unsup: Any, ema: ActorEMA | None,
+             kl_ctl: Any, scorer: Scorer, shuffle: torch.Generator, unsup: Any, ema: ActorEMA | None,
              rows_per_update: int) -> tuple[dict[str, float], int]:
     """One PPO update: ``generation_batches`` experience batches -> ``ppo_update``. Returns the step's metrics and
     the short answers dropped."""
@@ -548,7 +549,7 @@ def ppo_step(models: Models, hybrid: Any, stream: Iterator[dict[str, Any]], p: P
     for _ in range(p.generation_batches):
         t0 = time.time()
         batch = to_device(next(stream), E.device())
-        exp, d = make_experience(models, hybrid, batch, p, gen, kl_ctl.value, retok)
+        exp, d = make_experience(models, hybrid, batch, p, gen, kl_ctl.value, scorer)
         dropped += d
         pending.append((exp, hybrid.last_generate_seconds, time.time() - t0))
     exp = concat_experience([x[0] for x in pending], models.tokenizer.pad_token_id)
@@ -895,8 +896,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         d = replace(d, data=[str(demo_files()["prompts"])])
     with E.main_process_first():
         data = load_phase(d, 3, tok, cfg.run.seed, log=quiet)
-    if grpo:
-        check_reward_data(reward_func_names(cfg), data.train + data.eval)
+    check_reward_data(reward_func_names(cfg), data.train + data.eval)
     collator = DataCollatorRLHF(tok.pad_token_id)
     prompts = train_loader(data.train, p.per_device_generation_batch_size, collator, cfg.run.seed)
     evals = eval_loader(data.eval, p.per_device_eval_batch_size, collator)
@@ -937,7 +937,10 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                 + " + ".join(f"{w:g}*{n}" for n, w in zip(scorer.mixer.names, scorer.mixer.weights, strict=True))
                 + (", dynamic sampling" if dynamic_sampling_of(g) else ""))
     else:
-        algo = f"PPO, reward {cfg.models.reward_model}, ZeRO critic {cfg.engines.critic_zero_stage}"
+        algo = ("PPO, rewards " + " + ".join(f"{w:g}*{n}" for n, w in zip(scorer.mixer.names, scorer.mixer.weights,
+                                                                           strict=True))
+                + (f" (reward model {cfg.models.reward_model})" if cfg.models.reward_model else "")
+                + f", ZeRO critic {cfg.engines.critic_zero_stage}")
     stage.log(f"actor {cfg.models.actor_model} | {algo} | prompts {len(data.train)} (eval {len(data.eval)}) | "
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
               f"{cfg.engines.actor_zero_stage} | world {E.world_size()}")
@@ -987,7 +990,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             if grpo:
                 metrics, dropped = grpo_step(models, hybrid, scorer, stream, g, p, gen, shuffle, ema)
             else:
-                metrics, dropped = ppo_step(models, hybrid, stream, p, gen, kl_ctl, retok, shuffle, unsup, ema,
+                metrics, dropped = ppo_step(models, hybrid, stream, p, gen, kl_ctl, scorer, shuffle, unsup, ema,
                                             rows_per_update)
             step += 1
             dropped_total += dropped
@@ -1030,8 +1033,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         **data.counts, "sources": data.sources,
     }
     if grpo:
-        metrics.update({"loss_type": g.loss_type, "reward_funcs": scorer.mixer.names,
-                        "reward_weights": scorer.mixer.weights})
+        metrics["loss_type"] = g.loss_type
+    if grpo or scorer.mixer.names != [RM]:
+        metrics.update({"reward_funcs": scorer.mixer.names, "reward_weights": scorer.mixer.weights})
         for name in scorer.mixer.names:
             if f"reward/{name}" in after:  # per-source means when there is more than the reward model
                 metrics[f"reward_{name}_before"] = before.get(f"reward/{name}")

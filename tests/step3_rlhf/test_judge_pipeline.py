@@ -22,8 +22,13 @@ def test_judge_reward_flags_and_checks():
     with pytest.raises(UserError, match="'judge' needs --judge-model"):
         check_config(build_config(RLHFConfig, base))
     check_config(build_config(RLHFConfig, {**base, "judge_model": "tiny"}))
-    with pytest.raises(UserError, match="--judge-model .* works with --algo grpo"):
-        check_config(build_config(RLHFConfig, {"actor_model": "tiny", "reward_model": "tiny", "judge_model": "t"}))
+    # PPO takes reward sources too; without a reward model its critic needs its own initialisation
+    ppo = {"actor_model": "tiny", "reward_funcs": [JUDGE], "judge_model": "tiny"}
+    with pytest.raises(UserError, match="--critic-model"):
+        check_config(build_config(RLHFConfig, ppo))
+    check_config(build_config(RLHFConfig, {**ppo, "critic_model": "tiny"}))
+    with pytest.raises(UserError, match="'rm' needs --reward-model"):
+        check_config(build_config(RLHFConfig, {**ppo, "critic_model": "tiny", "reward_funcs": ["rm", JUDGE]}))
     with pytest.raises(UserError, match="reward 'judge' needs a ground truth, but 1 of 2"):
         check_reward_data([JUDGE], [{"answer": "ref"}, {"answer": None}])
 
@@ -98,6 +103,25 @@ def test_rm_r1_launch_script_dry_run(tmp_path):
     proc = subprocess.run([str(path), "--tiny"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--step 1 --model tiny" in proc.stderr and "--reward-funcs judge_match" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ppo_with_a_judge_reward_and_no_reward_model(tmp_path):
+    """PPO scored by the (untrained) tiny judge against the prompts' reference answers: no reward model loads,
+    the critic starts from --critic-model."""
+    from step3_rlhf.main import run
+
+    cfg = build_config(RLHFConfig, {
+        "actor_model": "tiny", "critic_model": "tiny", "judge_model": "tiny", "reward_funcs": [JUDGE, "format"],
+        "judge_max_new_tokens": 4, "data": [str(demo_files()["prompts"])], "data_split": "0,0,1",
+        "output_dir": str(tmp_path / "o"), "max_steps": 2, "max_answer_seq_len": 8,
+        "per_device_generation_batch_size": 2, "per_device_training_batch_size": 2, "max_eval_rows": 2,
+        "progress": False, "force": True})
+    metrics = run(cfg)
+    assert metrics["algo"] == "ppo" and metrics["steps"] == 2 and metrics["reward_funcs"] == [JUDGE, "format"]
+    assert metrics[f"reward_{JUDGE}_after"] == 0.0 and metrics["reward_format_after"] == 0.0
+    rows = [r for r in read_jsonl(tmp_path / "o" / "metrics.jsonl") if "train/critic_loss" in r]
+    assert len(rows) == 2 and all(r["train/reward"] == 0.0 for r in rows)
 
 
 @pytest.mark.slow
