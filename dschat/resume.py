@@ -109,6 +109,18 @@ class Checkpointer:
         for stale in self.root.glob(".step-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
 
+    def resume_latest(self, log: Any) -> tuple[Path | None, dict[str, Any], dict[str, torch.Tensor]]:
+        """Restore the output folder's newest complete state, if any (``load``), and drop the metrics logged past
+        it. Returns its path, the trainer state and the extra tensors; ``(None, {}, {})`` when there is none."""
+        output_dir = self.root.parent
+        path = latest_state(output_dir)
+        if path is None:
+            return None, {}, {}
+        trainer, tensors = self.load(path)
+        truncate_metrics(output_dir, trainer["step"])
+        log(f"resumed from {path} (step {trainer['step']})")
+        return path, trainer, tensors or {}
+
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
         """Restore every engine and this rank's RNG from ``path``; return the trainer state and extra tensors."""
         for key, eng in self.engines.items():

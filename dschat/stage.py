@@ -48,18 +48,19 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
 
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
-    if (out / "eval.json").exists() and not run.force and not (run.resume and latest_state(out) is not None):
+    latest = latest_state(out)
+    if (out / "eval.json").exists() and not run.force and not (run.resume and latest is not None):
         raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it, --resume "
                         "to train on from its final state, or choose another --output-dir")
-    if latest_state(out) is not None and not (run.resume or run.force):
-        raise UserError(f"{out} holds a resumable training state ({latest_state(out)}); pass --resume to "
+    if latest is not None and not (run.resume or run.force):
+        raise UserError(f"{out} holds a resumable training state ({latest}); pass --resume to "
                         "continue it or --force to start over")
     E.setup_distributed()
     set_seed(run.seed)
     stage = Stage(name, out)
     if E.is_main():
         out.mkdir(parents=True, exist_ok=True)
-        if not (run.resume and latest_state(out) is not None):  # a fresh start: nothing of an older run stays
+        if not (run.resume and latest is not None):  # a fresh start: nothing of an older run stays
             for stale in ("metrics.jsonl", "eval.json"):
                 if (out / stale).exists():
                     (out / stale).unlink()
@@ -201,16 +202,11 @@ class ResumableLoop:
     """
 
     def __init__(self, stage: Stage, engine: Any, tokenizer: Any, run: RunArgs):
-        from dschat.resume import Checkpointer, latest_state, truncate_metrics
+        from dschat.resume import Checkpointer
 
         self.engine, self.save_interval, self.save_final = engine, run.save_interval, run.save_final_state
         self.ckpt = Checkpointer(stage.output_dir, {"model": engine}, run.keep_checkpoints, tokenizer)
-        self.state: dict[str, Any] = {}
-        self.resumed_from = latest_state(stage.output_dir) if run.resume else None
-        if self.resumed_from is not None:
-            self.state, _ = self.ckpt.load(self.resumed_from)
-            truncate_metrics(stage.output_dir, self.state["step"])
-            stage.log(f"resumed from {self.resumed_from} (step {self.state['step']})")
+        self.resumed_from, self.state, _ = self.ckpt.resume_latest(stage.log) if run.resume else (None, {}, {})
         self.step: int = self.state.get("step", 0)
         # epoch and batches drawn in it at the last optimizer step: where a resumed run starts
         self.position = {"epoch": self.state.get("epoch", 0), "batches": self.state.get("batches", 0)}

@@ -38,7 +38,7 @@ from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
 from dschat.judge import JUDGE, load_judge_reward
 from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
-from dschat.resume import Checkpointer, latest_state, truncate_metrics
+from dschat.resume import Checkpointer
 from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rlhf import (
     Retokenizer,
@@ -948,20 +948,15 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     # Actor and critic train; the reference and reward models are frozen and reload from their paths.
     trained = {"actor": models.actor, **({"critic": models.critic} if models.critic is not None else {})}
     ckpt = Checkpointer(stage.output_dir, trained, cfg.run.keep_checkpoints, tok)
-    state: dict[str, Any] = {}
-    resume_from = latest_state(stage.output_dir) if cfg.run.resume else None
+    resume_from, state, tensors = ckpt.resume_latest(stage.log) if cfg.run.resume else (None, {}, {})
     if resume_from is not None:
-        state, tensors = ckpt.load(resume_from)
-        tensors = tensors or {}
-        truncate_metrics(stage.output_dir, state["step"])
         kl_ctl.value = state["kl_ctl"]
         if ema is not None:
             if "ema" not in tensors:
                 raise UserError(f"{resume_from}: saved without --enable-ema; resume without it or start over")
             ema.state = tensors["ema"]
-        stage.log(f"resumed from {resume_from} (step {state['step']})")
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
-    if "shuffle" in state:
+    if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
     stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
     unsup = None if unsup_loader is None else \
@@ -983,7 +978,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         extra = {"shuffle": shuffle.get_state(), **({"ema": ema.state} if ema is not None else {})}
         position = {"prompt_batches": stream.consumed, "unsup_batches": unsup.consumed if unsup is not None else 0}
         return ckpt.save(step, {**position, "kl_ctl": kl_ctl.value, "dropped_short_answers": dropped_total,
-                                "before": before, "shuffle": True}, tensors=extra)
+                                "before": before}, tensors=extra)
 
     with stop_after_step(stage.log) as stop:
         while step < total_updates:
