@@ -181,17 +181,13 @@ def inject_system_prompt(messages: Messages, system: str | None) -> Messages:
     return [{"role": "system", "content": system}, *messages]
 
 
-def is_english(text: str) -> bool:
-    return not any("\u4e00" <= ch <= "\u9fff" for ch in text)
-
-
 def judge_messages(question: str, answer_a: str, answer_b: str, system: str | None = None) -> Messages:
     """The messages of the demo judge rows for a question and two answers: a rubric system message (``system``,
     else the demo rubric in the question's language, as the demo judge was trained with) and the user turn of
     ``dschat.demo.corpus.judge_user_message``."""
     from dschat.demo import corpus
 
-    english = is_english(question)
+    english = corpus.is_english(question)
     rubric = system if system else (corpus.EN_RUBRIC if english else corpus.ZH_RUBRIC)
     user = corpus.judge_user_message(question.strip(), answer_a.strip(), answer_b.strip(), english)
     return [{"role": "system", "content": rubric}, {"role": "user", "content": user}]

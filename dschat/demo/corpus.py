@@ -933,7 +933,7 @@ def judge_user_message(question: str, answer_a: str, answer_b: str, english: boo
     )
 
 
-def _is_english(text: str) -> bool:
+def is_english(text: str) -> bool:
     return not any("\u4e00" <= ch <= "\u9fff" for ch in text)
 
 
@@ -950,7 +950,7 @@ def generate_judge_pairs(
     rows: list[dict[str, object]] = []
     for pair, a_wins in zip(pairs, _balanced_flags(rng, n, n // 2), strict=True):
         question = prompt_question(pair["prompt"])
-        english = _is_english(question)
+        english = is_english(question)
         good, bad = pair["chosen"].strip(), pair["rejected"].strip()
         answer_a, answer_b = (good, bad) if a_wins else (bad, good)
         messages = []
@@ -995,7 +995,7 @@ def generate_judge_cold_start(
         if verdicts == "winner":
             a = row["winner"] == "model_a"
         user = row["context_messages"][-1]["content"]  # type: ignore[index]
-        english = _is_english(user.split("[User Question]")[-1])  # type: ignore[union-attr]
+        english = is_english(user.split("[User Question]")[-1])  # type: ignore[union-attr]
         out.append({**row, "response": judge_completion("A" if a else "B", english)})
     return out
 
