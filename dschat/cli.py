@@ -18,7 +18,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from dschat.config import build_config, flag_specs, load_config_file
+from dschat.config import build_config, canonical_names, flag_specs, load_config_file, refuse_inert
 from dschat.errors import UserError
 
 STAGE_MODULES = {1: "step1_sft.main", 2: "step2_reward.main", 3: "step3_rlhf.main"}
@@ -34,7 +34,7 @@ def _click_option(spec: Any) -> click.Option:
         return click.Option(decls + [spec.name], default=spec.default, help=help_text, hidden=spec.hidden,
                             show_default=True)
     decls = [f"--{dash}"] + ([f"--{spec.name}"] if dash != spec.name else [])
-    decls += [f"--{a.replace('_', '-')}" for a in spec.aliases]
+    decls += [d for a in spec.aliases for d in dict.fromkeys((f"--{a.replace('_', '-')}", f"--{a}"))]
     if spec.type is list:
         return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
     ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type
@@ -45,7 +45,8 @@ def _click_option(spec: Any) -> click.Option:
 def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: str) -> click.Command:
     """A click command whose options are the flags of ``config_cls``; ``--config FILE`` fills any of them.
 
-    Precedence: dataclass default < config file < command line.
+    Precedence: dataclass default < config file < command line. A flag given (in either) that has no effect in
+    the chosen mode stops the run before anything loads (``refuse_inert``); defaults never count as given.
     """
     params: list[click.Parameter] = [
         click.Option(["--config", "config_file"], type=click.Path(dir_okay=False),
@@ -55,11 +56,14 @@ def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: 
 
     def callback(config_file: str | None, **kwargs: Any) -> Any:
         ctx = click.get_current_context()
-        values = load_config_file(config_file) if config_file else {}
+        names = canonical_names(config_cls)
+        values = {names.get(k, k): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
         for key, value in kwargs.items():
             if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
                 values[key] = list(value) if isinstance(value, tuple) else value
-        return run(build_config(config_cls, values))
+        cfg = build_config(config_cls, values)
+        refuse_inert(cfg, set(values))  # before any data or model loads
+        return run(cfg)
 
     return click.Command(name, params=params, callback=callback, help=help,
                          context_settings={"max_content_width": 110})

@@ -11,8 +11,10 @@ configuration is nested (``cfg.optim.learning_rate``), and functions take only t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,10 +25,11 @@ from dschat.errors import UserError
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,
-        choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
-    """A dataclass field carrying its CLI help text (optional choices, and other flag names for it, e.g. stage 3
-    takes ``--model`` for ``--actor-model`` as every stage takes ``--model``)."""
-    meta = {"help": help, "hidden": hidden, "choices": choices, "aliases": aliases}
+        choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (), low: float | None = None,
+        above: float | None = None) -> Any:
+    """A dataclass field carrying its CLI help text, optional choices, other spellings of the flag, and its range
+    (``low`` inclusive, ``above`` exclusive): a value out of range stops before any data or model loads."""
+    meta = {"help": help, "hidden": hidden, "choices": choices, "aliases": aliases, "low": low, "above": above}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -50,10 +53,10 @@ class DataArgs:
                                "embedded demo corpus.", factory=list)
     data_split: str = arg("2,4,4", "Proportions of every dataset given to train phases 1, 2 and 3.")
     data_cache_dir: str = arg("", "Where tokenized datasets are cached (default ~/.cache/dschat/data).")
-    max_seq_len: int = arg(256, "Longest prompt + answer in tokens; longer rows are dropped and counted.")
-    max_prompt_seq_len: int = arg(128, "Longest prompt in tokens for phase 3 (left-truncated beyond).")
-    eval_fraction: float = arg(0.05, "Held-out fraction for evaluation when a dataset has no test split.")
-    max_eval_rows: int = arg(400, "Cap on evaluation rows per stage (0 = no cap).")
+    max_seq_len: int = arg(256, "Longest prompt + answer in tokens; longer rows are dropped and counted.", low=2)
+    max_prompt_seq_len: int = arg(128, "Longest prompt in tokens for phase 3 (left-truncated beyond).", low=1)
+    eval_fraction: float = arg(0.05, "Held-out fraction for evaluation when a dataset has no test split.", low=0)
+    max_eval_rows: int = arg(400, "Cap on evaluation rows per stage (0 = no cap).", low=0)
     mask_prompt: bool = arg(True, "Mask prompt tokens out of the SFT loss.")
     judge_system_prompt: str = arg("", "File whose text opens every judge-pairwise row (context_messages + winner) "
                                        "that has no system message, as its system message (an RM-R1 rubric); "
@@ -63,26 +66,26 @@ class DataArgs:
 @dataclass
 class OptimArgs:
     learning_rate: float | None = arg(None, "Peak learning rate (default: 1e-3 for models under 50M parameters, "
-                                            "such as the tiny preset; else 1e-5).")
-    weight_decay: float = arg(0.0, "AdamW weight decay (not applied to biases and norms).")
+                                            "such as the tiny preset; else 1e-5).", above=0)
+    weight_decay: float = arg(0.0, "AdamW weight decay (not applied to biases and norms).", low=0)
     lr_scheduler_type: str = arg("cosine", "Learning-rate schedule after warmup.",
                                  choices=("cosine", "linear", "constant"))
-    warmup_ratio: float = arg(0.05, "Fraction of the optimizer steps spent in linear warmup.")
-    num_warmup_steps: int | None = arg(None, "Warmup steps (overrides --warmup-ratio).")
-    per_device_train_batch_size: int = arg(8, "Micro-batch size per device.")
-    per_device_eval_batch_size: int = arg(16, "Evaluation batch size per device.")
-    gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
-    num_train_epochs: int = arg(1, "Passes over the training data.")
+    warmup_ratio: float = arg(0.05, "Fraction of the optimizer steps spent in linear warmup.", low=0)
+    num_warmup_steps: int | None = arg(None, "Warmup steps (overrides --warmup-ratio).", low=0)
+    per_device_train_batch_size: int = arg(8, "Micro-batch size per device.", low=1)
+    per_device_eval_batch_size: int = arg(16, "Evaluation batch size per device.", low=1)
+    gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.", low=1)
+    num_train_epochs: int = arg(1, "Passes over the training data.", low=1)
     max_steps: int = arg(-1, "Train for exactly this many optimizer steps, overriding --num-train-epochs "
                              "(-1: run the epochs).")
-    max_grad_norm: float = arg(1.0, "Gradient clipping norm (0 disables).")
+    max_grad_norm: float = arg(1.0, "Gradient clipping norm (0 disables).", low=0)
     adam_beta1: float = arg(0.9, "AdamW beta1.")
     adam_beta2: float = arg(0.95, "AdamW beta2.")
 
 
 @dataclass
 class EngineArgs:
-    zero_stage: int = arg(0, "DeepSpeed ZeRO stage (0-3).")
+    zero_stage: int = arg(0, "DeepSpeed ZeRO stage (0-3).", low=0)
     offload: bool = arg(False, "Offload optimizer state (and ZeRO-3 parameters) to CPU memory.")
 
 
@@ -90,12 +93,11 @@ class EngineArgs:
 class LoraArgs:
     """LoRA through PEFT (Hu et al. 2021, arXiv:2106.09685), DeepSpeed-Chat's flags.
 
-    Stages 1 and 2 compose this piece as it is. Stage 3 trains two models, and flag names must be unique across
-    a stage's pieces, so it declares ``actor_lora_dim``, ``critic_lora_dim``, ``actor_lora_module_name``, ... in
-    its own dataclass and builds one ``LoraArgs(lora_dim=..., ...)`` per model from them.
+    Stages 1 and 2 compose this piece as it is; stage 3 composes it once per trained model under a prefix
+    (``--actor-lora-dim``, ``--critic-lora-dim``, ...; see ``piece``).
     """
 
-    lora_dim: int = arg(0, "LoRA rank r (0: no LoRA, train the full model).")
+    lora_dim: int = arg(0, "LoRA rank r (0: no LoRA, train the full model).", low=0)
     lora_alpha: float = arg(16.0, "LoRA scaling numerator: the update is B @ A * alpha / r.")
     lora_dropout: float = arg(0.0, "Dropout on the LoRA branch input.")
     lora_module_name: str = arg("all-linear", "Which linear layers get adapters: 'all-linear' (every attention "
@@ -108,24 +110,103 @@ class LoraArgs:
     save_adapter: bool = arg(False, "Also save the unmerged PEFT adapter (adapter_config.json + "
                                     "adapter_model.safetensors) in the model folder's adapter/ subfolder.")
 
+    def inert_fields(self) -> dict[str, str]:
+        if self.lora_dim > 0:
+            return {}
+        return {f.name: "without {lora_dim} > 0 (no LoRA)" for f in dataclasses.fields(self) if f.name != "lora_dim"}
+
 
 @dataclass
 class RunArgs:
     output_dir: str = arg("", "Output folder (model/, eval.json, metrics.jsonl, tensorboard/, args.json).")
     seed: int = arg(1234, "Random seed for data order, splits and initialisation.")
-    eval_interval: int = arg(0, "Evaluate every N optimizer steps (0: only before and after training).")
-    log_interval: int = arg(1, "Log metrics every N optimizer steps.")
+    eval_interval: int = arg(0, "Evaluate every N optimizer steps (0: only before and after training).", low=0)
+    log_interval: int = arg(1, "Log metrics every N optimizer steps.", low=1)
     save_interval: int = arg(0, "Write a resumable training state every N steps (0: only the final one; Ctrl-C "
                                 "also saves).")
     save_final_state: bool = arg(True, "Write a resumable training state when training ends, so --resume with a "
                                        "larger --max-steps or --num-train-epochs trains on (and `dschat export` "
                                        "can read it).")
-    keep_checkpoints: int = arg(2, "How many resumable states to keep.")
+    keep_checkpoints: int = arg(2, "How many resumable states to keep.", low=1)
     resume: bool = arg(False, "Continue from the latest complete training state in the output folder (also a "
                               "finished run's final state).")
     force: bool = arg(False, "Overwrite an output folder that already holds a finished run or training states.")
     progress: bool = arg(True, "Show a progress bar.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher.", hidden=True)
+
+
+@dataclass
+class RewardArgs:
+    rm_loss: str = arg("pairwise", "Reward loss: 'pairwise' compares the diverging tails token by token "
+                                   "(DeepSpeed-Chat, pad-safe; SPEC 4); 'last-token' compares end scores, minus "
+                                   "each row's optional 'margin'.", choices=("pairwise", "last-token"))
+    rm_center_coef: float = arg(0.0, "Weight of the centring term coef * (score_c + score_x)^2 that keeps scores "
+                                     "near zero (--rm-loss last-token only).", low=0)
+
+    def inert_fields(self) -> dict[str, str]:
+        return {"rm_center_coef": f"with --rm-loss {self.rm_loss}"} if self.rm_loss != "last-token" else {}
+
+
+@dataclass
+class SFTConfig:
+    """Stage 1's flags (stage 3's ``RLHFConfig`` lives in ``dschat.rlhf.config``)."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    run: RunArgs = field(default_factory=RunArgs)
+
+
+@dataclass
+class RewardConfig(SFTConfig):
+    """Stage 2's flags: stage 1's and the reward loss."""
+
+    reward: RewardArgs = field(default_factory=RewardArgs)
+
+
+def piece(cls: type, prefix: str = "", *, only: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+          defaults: dict[str, Any] | None = None, help: dict[str, str] | None = None,
+          aliases: dict[str, tuple[str, ...]] | None = None) -> Any:
+    """A stage-config field holding one piece (a dataclass of flags), optionally projected and prefixed.
+
+    The flags of a piece are declared once, in its dataclass. A stage that needs the same idea for two models
+    composes the piece twice under prefixes: ``piece(LoraArgs, "actor")`` gives ``--actor-lora-dim``, ...,
+    ``piece(LoraArgs, "critic")`` gives ``--critic-lora-dim``, .... ``only``/``exclude`` choose which of the
+    piece's fields become flags (the others keep their dataclass defaults and are assembled from other pieces,
+    see ``merged``); ``defaults``, ``help`` and ``aliases`` specialise a field for this stage (e.g. stage 3 starts
+    without warmup and takes ``--model`` for ``--actor-model``).
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = (set(only) | set(exclude) | set(defaults or {}) | set(help or {}) | set(aliases or {})) - names
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    flags = tuple(n for n in (only or [f.name for f in dataclasses.fields(cls)]) if n not in exclude)
+    meta = {"piece": True, "prefix": prefix, "flags": flags, "defaults": dict(defaults or {}),
+            "help": dict(help or {}), "aliases": dict(aliases or {})}
+    return field(default_factory=lambda: _make_piece(cls, meta, {}), metadata=meta)
+
+
+def _make_piece(cls: type, meta: Any, values: dict[str, Any]) -> Any:
+    """An instance of a piece with the stage's defaults, remembering which of its fields are flags here."""
+    obj = cls(**{**meta.get("defaults", {}), **values})
+    object.__setattr__(obj, "_flags", tuple(meta.get("flags") or (f.name for f in dataclasses.fields(cls))))
+    return obj
+
+
+def merged(*pieces: Any) -> Any:
+    """One full piece from projections of it: each field from the first piece that declares it as a flag.
+
+    ``merged(cfg.actor_optim, cfg.optim)`` is the actor's ``OptimArgs``: its own learning rate and weight decay,
+    the stage's shared schedule. A piece made outside a stage config counts as declaring every field.
+    """
+    cls = type(pieces[0])
+    values: dict[str, Any] = {}
+    for p in pieces:
+        for name in getattr(p, "_flags", [f.name for f in dataclasses.fields(cls)]):
+            values.setdefault(name, getattr(p, name))
+    return cls(**values)
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -142,7 +223,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 class FlagSpec:
     """One command-line flag, derived from a dataclass field."""
 
-    name: str  # field name, e.g. learning_rate
+    name: str  # flag name, e.g. learning_rate or actor_learning_rate
     group: str  # attribute of the stage config holding the piece, e.g. optim
     type: Any  # int, float, str, bool or list
     optional: bool
@@ -151,6 +232,9 @@ class FlagSpec:
     hidden: bool
     choices: tuple[str, ...] | None
     aliases: tuple[str, ...] = ()
+    field: str = ""  # the piece's field name (name without the prefix)
+    low: float | None = None  # inclusive lower bound
+    above: float | None = None  # exclusive lower bound
 
 
 def flag_specs(config_cls: type) -> list[FlagSpec]:
@@ -159,38 +243,90 @@ def flag_specs(config_cls: type) -> list[FlagSpec]:
     seen: dict[str, str] = {}
     hints = typing.get_type_hints(config_cls)
     for group in dataclasses.fields(config_cls):
-        piece = hints[group.name]
-        piece_hints = typing.get_type_hints(piece)
-        for f in dataclasses.fields(piece):
-            if f.name in seen:
-                raise TypeError(f"flag --{f.name} declared twice ({seen[f.name]} and {group.name})")
-            seen[f.name] = group.name
-            tp, optional = _unwrap_optional(piece_hints[f.name])
+        piece_cls = hints[group.name]
+        piece_hints = typing.get_type_hints(piece_cls)
+        meta = group.metadata if group.metadata.get("piece") else {}
+        prefix = meta.get("prefix", "")
+        flags = meta.get("flags") or tuple(f.name for f in dataclasses.fields(piece_cls))
+        by_name = {f.name: f for f in dataclasses.fields(piece_cls)}
+        for fname in flags:
+            f = by_name[fname]
+            name = f"{prefix}_{fname}" if prefix else fname
+            if name in seen:
+                raise TypeError(f"flag --{name} declared twice ({seen[name]} and {group.name})")
+            seen[name] = group.name
+            tp, optional = _unwrap_optional(piece_hints[fname])
             if typing.get_origin(tp) is list:
                 tp = list
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            specs.append(FlagSpec(f.name, group.name, tp, optional, default, f.metadata.get("help", ""),
-                                  f.metadata.get("hidden", False), f.metadata.get("choices"),
-                                  f.metadata.get("aliases", ())))
+            if fname in meta.get("defaults", {}):
+                default = meta["defaults"][fname]
+            else:
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            help_text = meta.get("help", {}).get(fname) or f.metadata.get("help", "")
+            if prefix and fname not in meta.get("help", {}):
+                help_text = f"{prefix.capitalize()}: {help_text}"
+            aliases = tuple(f.metadata.get("aliases", ())) if not prefix else ()
+            aliases += tuple(meta.get("aliases", {}).get(fname, ()))
+            specs.append(FlagSpec(name, group.name, tp, optional, default, help_text, f.metadata.get("hidden", False),
+                                  f.metadata.get("choices"), aliases, fname, f.metadata.get("low"),
+                                  f.metadata.get("above")))
     return specs
 
 
+def canonical_names(config_cls: type) -> dict[str, str]:
+    """Every accepted spelling of a flag (name and aliases, underscores) -> its flag name."""
+    out: dict[str, str] = {}
+    for s in flag_specs(config_cls):
+        out[s.name] = s.name
+        for a in s.aliases:
+            out[a] = s.name
+    return out
+
+
 def build_config(config_cls: type, values: dict[str, Any]) -> Any:
-    """Build a nested stage config from flat ``{flag_name: value}``; unknown names are an error."""
+    """Build a nested stage config from flat ``{flag_name: value}`` (aliases accepted); unknown names are an
+    error. Each piece remembers which of its fields are flags (``merged`` reads that)."""
     specs = {s.name: s for s in flag_specs(config_cls)}
-    unknown = sorted(set(values) - set(specs))
+    names = canonical_names(config_cls)
+    unknown = sorted(set(values) - set(names))
     if unknown:
         raise UserError(f"unknown option(s): {', '.join('--' + u.replace('_', '-') for u in unknown)}")
     pieces: dict[str, dict[str, Any]] = {}
-    for name, value in values.items():
-        pieces.setdefault(specs[name].group, {})[name] = _coerce(specs[name], value)
+    for given, value in values.items():
+        s = specs[names[given]]
+        pieces.setdefault(s.group, {})[s.field] = _coerce(s, value)
     hints = typing.get_type_hints(config_cls)
-    kwargs = {g.name: hints[g.name](**pieces.get(g.name, {})) for g in dataclasses.fields(config_cls)}
+    kwargs = {}
+    for g in dataclasses.fields(config_cls):
+        kwargs[g.name] = _make_piece(hints[g.name], g.metadata, pieces.get(g.name, {}))
     cfg = config_cls(**kwargs)
     for s in specs.values():
-        if s.choices and getattr(getattr(cfg, s.group), s.name) not in s.choices:
+        if s.choices and getattr(getattr(cfg, s.group), s.field) not in s.choices:
             raise UserError(f"--{s.name.replace('_', '-')} must be one of {', '.join(s.choices)}")
     return cfg
+
+
+def refuse_inert(cfg: Any, given: set[str]) -> None:
+    """Stop on a flag the user gave that has no effect in the chosen mode (defaults do not count).
+
+    A stage config may define ``inert_flags() -> dict[flag name, reason]``; each piece may define
+    ``inert_fields() -> dict[field name, reason]`` (e.g. LoRA settings without a LoRA rank, the reason naming
+    the rank's field as ``{lora_dim}``), reported under its prefixed flag name.
+    """
+    specs = flag_specs(type(cfg))
+    inert: dict[str, str] = {}
+    for s in specs:
+        fields_of = getattr(getattr(cfg, s.group), "inert_fields", None)
+        if fields_of is None or s.field not in (why := fields_of()):
+            continue
+        # A reason names other fields of the piece as {field}; it applies only where they are flags too.
+        flag_of = {t.field: "--" + t.name.replace("_", "-") for t in specs if t.group == s.group}
+        with contextlib.suppress(KeyError):
+            inert[s.name] = why[s.field].format(**flag_of)
+    if hasattr(cfg, "inert_flags"):
+        inert.update(cfg.inert_flags())
+    for name in sorted(given & set(inert)):
+        raise UserError(f"--{name.replace('_', '-')} has no effect {inert[name]}")
 
 
 def _coerce(spec: FlagSpec, value: Any) -> Any:
@@ -209,9 +345,16 @@ def _coerce(spec: FlagSpec, value: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise UserError(f"{flag} expects true or false, got {value!r}")
     try:
-        return spec.type(value)
+        out = spec.type(value)
     except (TypeError, ValueError):
         raise UserError(f"{flag} expects {spec.type.__name__}, got {value!r}") from None
+    if spec.type in (int, float) and not math.isfinite(out):
+        raise UserError(f"{flag} must be a finite number, got {value!r}")
+    if spec.low is not None and out < spec.low:
+        raise UserError(f"{flag} must be >= {spec.low:g}, got {value!r}")
+    if spec.above is not None and out <= spec.above:
+        raise UserError(f"{flag} must be > {spec.above:g}, got {value!r}")
+    return out
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -242,8 +385,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def to_flat_dict(cfg: Any) -> dict[str, Any]:
     """The flat ``{flag_name: value}`` view of a stage config (what ``args.json`` holds)."""
-    out: dict[str, Any] = {}
-    for g in dataclasses.fields(cfg):
-        out.update(dataclasses.asdict(getattr(cfg, g.name)))
+    out = {s.name: getattr(getattr(cfg, s.group), s.field) for s in flag_specs(type(cfg))}
     out.pop("local_rank", None)
     return out
