@@ -41,7 +41,7 @@ DEMO_ARGS = {
     "rm": ["--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
     "ppo": ["--max-steps", "100", "--num-train-epochs", "2", "--max-answer-seq-len", "64",
             "--per-device-generation-batch-size", "16",
-            "--per-device-training-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
+            "--per-device-train-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
             "--kl-ctl", "0.05"],
 }
 # `dschat pipeline grpo` on the demo: one epoch of SFT on worked solutions of other arithmetic prompts (demo file
@@ -53,7 +53,7 @@ GRPO_DEMO_ARGS = {
     "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
     "grpo": ["--algo", "grpo", "--reward-funcs", "format", "--reward-funcs", "accuracy", "--data-split", "0,0,1",
              "--max-steps", "100", "--num-generations", "4",
-             "--per-device-generation-batch-size", "16", "--per-device-training-batch-size", "16",
+             "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
              "--max-answer-seq-len", "32", "--actor-learning-rate", "2e-4", "--eval-fraction", "0.2",
              "--max-eval-rows", "200", "--per-device-eval-batch-size", "50"],
 }
@@ -66,7 +66,7 @@ JUDGE_DEMO_ARGS = {
     "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8",
             "--max-seq-len", "320"],
     "judge": ["--data-split", "0,0,1", "--max-steps", "100", "--num-generations", "4",
-              "--per-device-generation-batch-size", "16", "--per-device-training-batch-size", "16",
+              "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
               "--max-answer-seq-len", "40", "--max-prompt-seq-len", "256", "--actor-learning-rate", "1e-4",
               "--beta", "0.001", "--eval-fraction", "0.1", "--max-eval-rows", "100",
               "--per-device-eval-batch-size", "50"],

@@ -42,7 +42,7 @@ print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   MODEL=tiny DATA="${demo[0]}" SFT_DATA="${demo[1]}" EVAL_DATA="${demo[2]}" NUM_GPUS=0
   OUTPUT_DIR="${OUTPUT_DIR/%rm_r1_judge/rm_r1_judge_tiny}"
   sft_flags=(--data-split 1,0,0 --num-train-epochs 1 --per-device-train-batch-size 8 --max-seq-len 320)
-  scale=(--max-steps 100 --num-generations 4 --per-device-generation-batch-size 16 --per-device-training-batch-size 16
+  scale=(--max-steps 100 --num-generations 4 --per-device-generation-batch-size 16 --per-device-train-batch-size 16
          --max-prompt-seq-len 256 --max-answer-seq-len 40 --actor-learning-rate 1e-4 --eval-fraction 0.1
          --max-eval-rows 100 --per-device-eval-batch-size 50)
   eval_flags=(--max-new-tokens 40 --batch-size 50)
@@ -53,7 +53,7 @@ else
   fi
   sft_flags=(--data-split 1,0,0 --num-train-epochs 1 --max-seq-len 8192)
   scale=(--max-prompt-seq-len 4096 --max-answer-seq-len 4096 --per-device-generation-batch-size 8
-         --per-device-training-batch-size 8 --eval-fraction 0.01 --max-eval-rows 256)
+         --per-device-train-batch-size 8 --eval-fraction 0.01 --max-eval-rows 256)
   eval_flags=(--max-new-tokens 4096 --batch-size 8)
 fi
 if [[ -z "${NUM_GPUS:-}" ]]; then

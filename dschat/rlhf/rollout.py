@@ -1,4 +1,4 @@
-"""Stage-3 machinery shared by every algorithm (PPO, GRPO family): the models, rollouts and their scoring.
+"""Rollouts: what the actor generated for a batch of prompts, and the per-token quantities every algorithm reads.
 
 Layout of a rollout: prompts are left-padded to ``P`` columns, so every answer starts at column ``P``::
 
@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from dschat.data.collators import pad_sequences
-from dschat.losses import end_indices, selective_log_softmax
+from dschat.losses import selective_log_softmax
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -78,39 +77,61 @@ def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
     return values[:, rollout.prompt_len - 1: -1]
 
 
-@torch.no_grad()
-def reward_scores(reward_model: Any, rollout: Rollout, retokenize: Any | None = None) -> torch.Tensor:
-    """End scores ``(B,)`` of prompt + answer under the reward model (its own tokenizer via ``retokenize``)."""
-    if retokenize is not None:
-        ids, mask = retokenize(rollout)
-    else:
-        ids, mask = rollout.sequences, rollout.attention_mask
-    values = reward_model(ids, mask, positions_from_mask(mask))
-    return values.gather(1, end_indices(mask).unsqueeze(1)).squeeze(1)
+def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: Any, seed: int | None = None,
+                     min_answer_len: int = 2) -> tuple[Rollout, int]:
+    """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them (SPEC 5.1);
+    every algorithm's rollouts and evaluation come from here."""
+    seqs = hybrid.generate(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
+    return make_rollout(batch["prompt"], batch["prompt_att_mask"], seqs, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id, min_answer_len=min_answer_len)
 
 
-class Retokenizer:
-    """Decode with the actor's tokenizer and re-encode for a reward model whose tokenizer differs (SPEC 5)."""
-
-    def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_len: int):
-        self.src, self.dst, self.max_len = actor_tokenizer, reward_tokenizer, max_len
-
-    def __call__(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        P = rollout.prompt_len
-        rows = []
-        for seq, mask, ended in zip(rollout.sequences, rollout.attention_mask, rollout.reached_eos, strict=True):
-            prompt = self.src.decode(seq[:P][mask[:P].bool()], skip_special_tokens=True)
-            answer = self.src.decode(seq[P:][mask[P:].bool()], skip_special_tokens=True)
-            ids = self.dst(prompt)["input_ids"] + self.dst(answer, add_special_tokens=False)["input_ids"]
-            # As on the same-tokenizer path: only an answer that ended gets the EOS the reward model scores at.
-            if self.dst.eos_token_id is not None and bool(ended):
-                ids = ids + [self.dst.eos_token_id]
-            rows.append(ids[-self.max_len:])
-        ids, mask = pad_sequences(rows, self.dst.pad_token_id, "right")
-        return ids.to(rollout.sequences.device), mask.to(rollout.sequences.device)
+def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
+    """Every prompt (and its row fields) ``n`` times in a row, so the completions of a prompt are consecutive:
+    the layout group estimators (``L.group_advantages``, ``L.dynamic_sampling_mask``) expect."""
+    out = {"prompt": batch["prompt"].repeat_interleave(n, 0),
+           "prompt_att_mask": batch["prompt_att_mask"].repeat_interleave(n, 0)}
+    for key in ("answer", "extra"):
+        if key in batch:
+            out[key] = [x for x in batch[key] for _ in range(n)]
+    return out
 
 
-def same_tokenizer(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
+def pad_right(t: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts whose prompt/answer widths differ (prompts padded left, answers right)."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_len for r in parts)
+    A = max(r.action_mask.shape[1] for r in parts)
+    seq, mask, amask = [], [], []
+    for r in parts:
+        lp, ra = P - r.prompt_len, A - r.action_mask.shape[1]
+        seq.append(torch.nn.functional.pad(r.sequences, (lp, ra), value=pad_token_id))
+        mask.append(torch.nn.functional.pad(r.attention_mask, (lp, ra), value=0))
+        amask.append(pad_right(r.action_mask, A, 0))
+    return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]))
+
+
+def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],
+                                                                                           list[int]]:
+    """Decoded prompts and completions (special tokens dropped) and completion lengths in tokens, EOS included.
+
+    Read from the sequences, not the action mask: a short or truncated answer whose mask was zeroed still has
+    text for the rule rewards.
+    """
+    P = rollout.prompt_len
+    answers = rollout.sequences[:, P:].cpu()
+    is_eos = answers == tokenizer.eos_token_id
+    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(answers[:, 0],
+                                                                                      answers.shape[1]))
+    lengths = torch.where(is_eos.any(-1), first_eos + 1, first_eos).tolist()
+    prompts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.sequences[:, :P].cpu(),
+                                                                       prompt_mask.cpu(), strict=True)],
+                                     skip_special_tokens=True)
+    completions = tokenizer.batch_decode([row[:n] for row, n in zip(answers, first_eos.tolist(), strict=True)],
+                                         skip_special_tokens=True)
+    return prompts, completions, lengths

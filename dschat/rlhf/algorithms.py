@@ -1,0 +1,19 @@
+"""The registry of stage-3 algorithms: ``--algo NAME`` -> its class. Adding an algorithm is a file holding its
+class and this one entry.
+
+An algorithm class has: ``name``; ``help`` (for ``--help``); ``uses`` (the stage-config groups of its own
+flags: any other algorithm's groups are refused under it); ``output_name`` and ``demo_data`` (the default output
+folder, and the demo file used without ``--data``); ``needs(cfg)`` (which of 'reference' and 'critic' to load);
+``reward_func_names(cfg)`` (its default reward sources); ``check_config(cfg)``; ``plan(cfg, prompt_batches)``
+(updates per epoch, micro-batches per update). Per run: ``__init__(cfg, models, hybrid, scorer, gen, shuffle, ema,
+state)``, ``describe()``, ``summary()`` (its own eval.json fields), ``state()`` (what a resumable state keeps)
+and ``step(stream)`` (one update: its metrics and the answers dropped as too short).
+"""
+
+from __future__ import annotations
+
+from dschat.rlhf.grpo import GRPO
+from dschat.rlhf.ppo import PPO
+
+ALGORITHMS = {a.name: a for a in (PPO, GRPO)}
+OWNED_GROUPS = frozenset().union(*(a.uses for a in ALGORITHMS.values()))

@@ -1,0 +1,171 @@
+"""Stage 3's flags: the shared pieces of ``dschat.config`` composed per model, plus the RL pieces.
+
+Every flag is declared once. Per-model flags come from one prefixed declaration (``piece(LoraArgs, "actor")`` is
+``--actor-lora-dim``, ...); the algorithm's own flags live beside it (``ppo.PPOArgs``, ``grpo.GRPOArgs``), and a
+flag that belongs to another algorithm than ``--algo`` is refused before anything loads (``inert_flags``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, merged, piece
+from dschat.errors import UserError
+from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
+from dschat.rlhf.grpo import GRPOArgs
+from dschat.rlhf.ppo import PPOArgs
+from dschat.rlhf.scoring import JUDGE, RM
+
+PER_MODEL_OPTIM = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2")
+PER_MODEL = ("model", "gradient_checkpointing", "dropout")
+
+
+@dataclass
+class RLArgs:
+    algo: str = arg("ppo", "RL algorithm: " + "; ".join(f"{k}: {v.help}" for k, v in ALGORITHMS.items()) + ".",
+                    choices=tuple(ALGORITHMS))
+    per_device_generation_batch_size: int = arg(8, "Prompts per device per generation batch (GRPO: prompts per "
+                                                   "step, each with --num-generations completions).", low=1)
+    max_answer_seq_len: int = arg(256, "Longest generated answer in tokens.", low=1)
+    min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
+                                 "counted as dropped (SPEC 5.1).", low=0)
+    temperature: float = arg(1.0, "Sampling temperature.", above=0)
+    top_p: float = arg(1.0, "Nucleus sampling threshold.", above=0)
+    top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
+    enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
+                                            "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
+
+
+@dataclass
+class RewardArgs:
+    """Where a completion's reward comes from (every algorithm; SPEC 5 and 6)."""
+
+    reward_model: str = arg("", "Reward model: a step-2 output (…/model). Needed by the reward source 'rm' (PPO's "
+                                "default).")
+    reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
+                                       "accuracy, judge_match, overlong, judge (a generative judge, --judge-model), "
+                                       "or path/to/file.py:function. Default: rm with --reward-model (PPO: always), "
+                                       "else format and accuracy.", factory=list)
+    reward_weights: list[str] = arg(help="Weight of each --reward-funcs entry, in order (repeatable floats; "
+                                         "default 1 each).", factory=list)
+    judge_model: str = arg("", "Generative judge (RM-R1) of the reward source 'judge': a causal LM, e.g. a `dschat "
+                               "pipeline judge` output. It compares each completion with the row's reference "
+                               "answer in both orders (+1 better, -1 worse, 0 unparseable; averaged).")
+    judge_max_new_tokens: int = arg(128, "Longest completion of the judge of the reward source 'judge'.", low=1)
+    overlong_buffer: int | None = arg(None, "Reward 'overlong': the penalty falls from 0 at max_answer_seq_len - "
+                                            "buffer to -overlong_factor at max_answer_seq_len (default: a quarter "
+                                            "of --max-answer-seq-len).", low=1)
+    overlong_factor: float = arg(1.0, "Reward 'overlong': the penalty at max_answer_seq_len.")
+
+
+@dataclass
+class RLEngineArgs:
+    reference_zero_stage: int | None = arg(None, "ZeRO stage of the frozen reference (default: the actor's).", low=0)
+    reward_zero_stage: int | None = arg(None, "ZeRO stage of the frozen reward model (default: "
+                                              "--critic-zero-stage).", low=0)
+    offload: bool = arg(False, "Offload actor and critic optimizer state (ZeRO >= 1) to CPU memory.")
+    offload_reference_model: bool = arg(False, "Keep the reference model in CPU memory.")
+    offload_reward_model: bool = arg(False, "Keep the reward model in CPU memory.")
+    enable_ema: bool = arg(False, "Keep an exponential moving average of the actor's weights (saved to actor_ema/).")
+    ema_decay: float = arg(0.992, "EMA decay per actor optimizer step.", low=0)
+
+
+def _model(who: str, help_model: str) -> Any:
+    return piece(ModelArgs, who, only=PER_MODEL, defaults={"model": "", "dropout": 0.0},
+                 aliases={"model": ("model",)} if who == "actor" else None,
+                 help={"model": help_model, "dropout": f"{who.capitalize()} dropout (default 0: train-mode and "
+                                                       "eval-mode log-probs are equal)."})
+
+
+@dataclass
+class RLHFConfig:
+    rl: RLArgs = field(default_factory=RLArgs)
+    actor: ModelArgs = _model("actor", "Actor initialisation: a step-1 output (…/model) or any model name "
+                                       "('--model' works too, as in the other stages).")
+    critic: ModelArgs = _model("critic", "Critic initialisation (default: the reward model).")
+    model: ModelArgs = piece(ModelArgs, only=("dtype", "trust_remote_code"))
+    rewards: RewardArgs = field(default_factory=RewardArgs)
+    optim: OptimArgs = piece(OptimArgs, exclude=PER_MODEL_OPTIM, defaults={"warmup_ratio": 0.0},
+                             aliases={"per_device_train_batch_size": ("per_device_training_batch_size",)},
+                             help={"per_device_train_batch_size": "Experience rows (GRPO: completions) per device "
+                                                                  "per micro-batch.",
+                                   "per_device_eval_batch_size": "Prompts per device per evaluation batch.",
+                                   "num_train_epochs": "Passes over the prompts.",
+                                   "max_steps": "Updates to run; overrides --num-train-epochs, as in the other "
+                                                "stages (-1: run all epochs).",
+                                   "warmup_ratio": "Fraction of the optimizer steps spent in linear warmup "
+                                                   "(stage 3 starts from trained models: none by default)."})
+    actor_optim: OptimArgs = piece(OptimArgs, "actor", only=PER_MODEL_OPTIM, help={
+        "learning_rate": "Actor learning rate (default 1e-4 for models under 50M parameters, else 1e-6)."})
+    critic_optim: OptimArgs = piece(OptimArgs, "critic", only=PER_MODEL_OPTIM, help={
+        "learning_rate": "Critic learning rate (default 5e-4 for models under 50M parameters, else 5e-6)."})
+    actor_engine: EngineArgs = piece(EngineArgs, "actor", only=("zero_stage",), help={
+        "zero_stage": "ZeRO stage of the actor (the reference follows unless set)."})
+    critic_engine: EngineArgs = piece(EngineArgs, "critic", only=("zero_stage",), help={
+        "zero_stage": "ZeRO stage of the critic (the reward model follows unless set)."})
+    engines: RLEngineArgs = field(default_factory=RLEngineArgs)
+    actor_lora: LoraArgs = piece(LoraArgs, "actor", exclude=("save_adapter",))
+    critic_lora: LoraArgs = piece(LoraArgs, "critic", exclude=("save_adapter",))
+    lora: LoraArgs = piece(LoraArgs, only=("save_adapter",))
+    ppo: PPOArgs = field(default_factory=PPOArgs)
+    grpo: GRPOArgs = field(default_factory=GRPOArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    run: RunArgs = field(default_factory=RunArgs)
+
+    @property
+    def algorithm(self) -> Any:
+        return ALGORITHMS[self.rl.algo]
+
+    def inert_flags(self) -> dict[str, str]:
+        """Flags of the pieces other algorithms own (``Algorithm.uses``), and reward settings no source reads."""
+        from dschat.config import flag_specs
+
+        mine = self.algorithm.uses
+        out = {s.name: f"with --algo {self.rl.algo}" for s in flag_specs(type(self))
+               if s.group in OWNED_GROUPS and s.group not in mine}
+        names = self.reward_func_names()
+        if JUDGE not in names:
+            out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})
+        if "overlong" not in names:
+            out.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
+        if not self.engines.enable_ema:
+            out["ema_decay"] = "without --enable-ema"
+        if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
+            out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
+        return out
+
+    def reward_func_names(self) -> list[str]:
+        """The run's reward sources: --reward-funcs or the algorithm's default (and what it adds)."""
+        return self.algorithm.reward_func_names(self)
+
+    def optim_of(self, who: str) -> OptimArgs:
+        """The full ``OptimArgs`` of 'actor' or 'critic': its own rate and decay, the shared schedule."""
+        return merged(getattr(self, f"{who}_optim"), self.optim)
+
+    def engine_of(self, who: str) -> EngineArgs:
+        return EngineArgs(zero_stage=getattr(self, f"{who}_engine").zero_stage, offload=self.engines.offload)
+
+    def lora_of(self, who: str) -> LoraArgs:
+        return merged(getattr(self, f"{who}_lora"), self.lora)
+
+
+def check_config(cfg: RLHFConfig) -> None:
+    """Stop before any model loads on flag combinations that cannot work."""
+    if not cfg.actor.model:
+        raise UserError("stage 3 needs --actor-model (a step-1 output)")
+    names = cfg.reward_func_names()
+    if JUDGE in names and not cfg.rewards.judge_model:
+        raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
+    if RM in names and not cfg.rewards.reward_model:
+        raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+    cfg.algorithm.check_config(cfg)
+
+
+def check_reward_data(names: list[str], rows: list[dict[str, Any]]) -> None:
+    """Rules that compare with a ground truth stop before any model loads when prompts have none."""
+    missing = sum(r.get("answer") is None for r in rows)
+    for name in ("accuracy", "judge_match", JUDGE):
+        if name in names and missing:
+            raise UserError(f"reward '{name}' needs a ground truth, but {missing} of {len(rows)} prompts have none; "
+                            "pass prompt-only rows with an 'answer' (or judge rows with a 'winner') via --data")

@@ -1,0 +1,95 @@
+"""Evaluation of the policy on held-out prompts, before and after training, and the stage's ``eval.json``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat.rewards import RM
+from dschat.rlhf.rollout import answer_logprobs, generate_rollout
+from dschat.rlhf.scoring import Scorer
+from dschat.stage import lockstep_batches, to_device
+from dschat.stats import paired_se
+
+
+@torch.no_grad()
+def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
+             scorer: Scorer) -> dict[str, Any]:
+    """Mean reward (with its standard error) and the mean of each reward source, KL to the reference (when there
+    is one) and answer length on held-out prompts, one completion per prompt.
+
+    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers.
+    """
+    names = scorer.mixer.names
+    cols: dict[str, list[float]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
+    models.actor.eval()
+    # Lockstep: under ZeRO-3 the gather around generate and every forward are collectives on all ranks.
+    for i, (batch, real) in enumerate(lockstep_batches(loader)):
+        batch = to_device(batch, E.device())
+        rollout, _ = generate_rollout(hybrid, models.tokenizer, batch, gen, seed=seed + i, min_answer_len=1)
+        mask = rollout.action_mask.float()
+        kl = None
+        if models.ref is not None:
+            logp = answer_logprobs(models.actor, rollout, temperature)
+            ref = answer_logprobs(models.ref, rollout, temperature)
+            kl = ((logp - ref) * mask).sum(-1)  # per-sequence KL estimate (k1 summed over tokens)
+        mixed = scorer(rollout, batch)
+        if not real:
+            continue
+        if kl is not None:
+            cols["kl"] += kl.tolist()
+        cols["scores"] += mixed.total.tolist()
+        for name in names:
+            cols[name] += mixed.per_func[name].tolist()
+        cols["length"] += mask.sum(-1).tolist()
+        cols["eos"] += rollout.reached_eos.float().tolist()
+    models.actor.train()
+    gathered = E.gather_objects(cols)
+    t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
+
+    def mean(x: torch.Tensor) -> float | None:
+        return x.mean().item() if len(x) else None
+
+    s = t["scores"]
+    std = s.std().item() if len(s) > 1 else 0.0
+    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s), "reward_se": std / math.sqrt(max(len(s), 1)),
+                           "reward_std": std, "kl": mean(t["kl"]), "answer_length": mean(t["length"]),
+                           "eos_rate": mean(t["eos"]), "eval_prompts": len(s)}
+    if names != [RM]:
+        out.update({f"reward/{n}": mean(t[n]) for n in names})
+    return out
+
+
+def eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's loggable scalars (``eval/...``): everything but the per-prompt scores."""
+    return {f"eval/{k}": v for k, v in result.items() if k != "scores"}
+
+
+def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The before/after part of stage 3's ``eval.json``: rewards with their standard errors, the paired gain,
+    KL, answer length and EOS rate, and each reward source's mean when there is more than the reward model."""
+    both = bool(before and after)
+    out: dict[str, Any] = {
+        "reward_before": before.get("reward"), "reward_after": after.get("reward"),
+        "reward_before_se": before.get("reward_se"), "reward_after_se": after.get("reward_se"),
+        "reward_gain": (after["reward"] - before["reward"]) if both else None,
+        "reward_gain_se": paired_se(before["scores"], after["scores"]) if both else None,
+        "kl_before": before.get("kl"), "kl_after": after.get("kl"),
+        "answer_length_before": before.get("answer_length"), "answer_length_after": after.get("answer_length"),
+        "eos_rate_before": before.get("eos_rate"), "eos_rate_after": after.get("eos_rate"),
+        "eval_prompts": after.get("eval_prompts"),
+    }
+    return out
+
+
+def source_summary(before: dict[str, Any], after: dict[str, Any], scorer: Scorer) -> dict[str, Any]:
+    """The reward sources and weights, and each source's mean before/after (when there is more than ``rm``)."""
+    out: dict[str, Any] = {"reward_funcs": scorer.mixer.names, "reward_weights": scorer.mixer.weights}
+    for name in scorer.mixer.names:
+        if f"reward/{name}" in after:
+            out[f"reward_{name}_before"] = before.get(f"reward/{name}")
+            out[f"reward_{name}_after"] = after[f"reward/{name}"]
+    return out

@@ -1,0 +1,236 @@
+"""PPO (SPEC 5; Ouyang et al. 2022, DeepSpeed-Chat step 3): experience from the actor, reference, critic and
+reward model, KL-penalised per-token rewards, GAE, then ``ppo_epochs`` passes of clipped actor and critic steps.
+
+One ``PPO.step()``: ``generation_batches`` experience batches -> ``update``. The losses and GAE are pure
+functions in ``dschat.losses``; the KL controller is the only state the algorithm carries between steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from dschat import engine as E
+from dschat import losses as L
+from dschat.config import DataArgs, arg
+from dschat.data import DataCollatorSFT, load_phase
+from dschat.errors import UserError
+from dschat.rewards import RM
+from dschat.rlhf.ema import ActorEMA
+from dschat.rlhf.rollout import Rollout, answer_logprobs, answer_values, concat_rollouts, generate_rollout, pad_right
+from dschat.rlhf.scoring import Scorer
+from dschat.stage import EpochStream, to_device, train_loader
+
+
+@dataclass
+class PPOArgs:
+    ppo_epochs: int = arg(1, "Passes over each batch of experience.", low=1)
+    generation_batches: int = arg(1, "Generation batches collected before each PPO update.", low=1)
+    kl_ctl: float = arg(0.1, "KL penalty coefficient in the per-token reward.", low=0)
+    kl_target: float | None = arg(None, "Target KL for the adaptive controller (Ziegler et al. 2019); "
+                                        "unset keeps kl_ctl fixed.", above=0)
+    kl_horizon: int = arg(10000, "Horizon of the adaptive KL controller.", low=1)
+    clip_reward_value: float = arg(5.0, "Reward scores are clipped to [-c, c].", above=0)
+    cliprange: float = arg(0.2, "Policy ratio clip.", above=0)
+    cliprange_value: float = arg(0.2, "Critic value clip.", above=0)
+    gamma: float = arg(1.0, "Discount.", low=0)
+    lam: float = arg(0.95, "GAE lambda.", low=0)
+    whiten_advantages: bool = arg(True, "Whiten advantages over the answer tokens of each experience batch.")
+    normalize_reward: bool = arg(False, "Normalise scores by the reward model's eval mean/std (from its config).")
+    missing_eos_penalty: float | None = arg(None, "Subtracted from the score of answers that never reached EOS.")
+    unsup_data: list[str] = arg(help="SFT-format data for the mixed pretraining loss (repeatable).", factory=list)
+    unsup_coef: float = arg(27.8, "Weight of the mixed pretraining loss (InstructGPT's PPO-ptx gamma).")
+
+
+@dataclass
+class Experience:
+    rollout: Rollout
+    old_logprobs: torch.Tensor  # (B, A)
+    ref_logprobs: torch.Tensor  # (B, A)
+    old_values: torch.Tensor  # (B, A)
+    scores: torch.Tensor  # (B,) after penalties / normalisation, before clipping
+    raw_scores: torch.Tensor  # (B,) the reward sources' own end scores
+    rewards: torch.Tensor  # (B, A)
+    advantages: torch.Tensor  # (B, A)
+    returns: torch.Tensor  # (B, A)
+
+    TOKEN_FIELDS: ClassVar = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns")
+
+    def minibatches(self, size: int, generator: torch.Generator) -> list[Experience]:
+        order = torch.randperm(self.rollout.sequences.shape[0], generator=generator)
+        return [Experience(self.rollout.select(idx), *(getattr(self, f)[idx] for f in (
+            "old_logprobs", "ref_logprobs", "old_values", "scores", "raw_scores", "rewards", "advantages",
+            "returns"))) for idx in order.split(size)]
+
+    @staticmethod
+    def concat(parts: list[Experience], pad_token_id: int) -> Experience:
+        """Stack experience batches whose prompt/answer widths differ (pad prompts left, answers right)."""
+        if len(parts) == 1:
+            return parts[0]
+        rollout = concat_rollouts([x.rollout for x in parts], pad_token_id)
+        A = rollout.action_mask.shape[1]
+        tok = {f: torch.cat([pad_right(getattr(x, f), A) for x in parts]) for f in Experience.TOKEN_FIELDS}
+        return Experience(rollout, scores=torch.cat([x.scores for x in parts]),
+                          raw_scores=torch.cat([x.raw_scores for x in parts]), **tok)
+
+
+class PPO:
+    name = "ppo"
+    help = "PPO with actor, critic, reference and reward model (SPEC 5)"
+    uses = frozenset({"ppo", "critic", "critic_optim", "critic_engine", "critic_lora"})
+    output_name = "step3_rlhf"  # the default --output-dir under output/
+    demo_data = None  # without --data: the demo corpus's phase-3 prompts
+
+    @staticmethod
+    def needs(cfg: Any) -> set[str]:
+        return {"reference", "critic"}
+
+    @staticmethod
+    def reward_func_names(cfg: Any) -> list[str]:
+        return list(cfg.rewards.reward_funcs) or [RM]  # the reward model unless told otherwise
+
+    @staticmethod
+    def check_config(cfg: Any) -> None:
+        if not cfg.rewards.reward_model and not cfg.critic.model:
+            raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
+                            "step-2 output), or --reward-funcs without 'rm' and a --critic-model")
+
+    @staticmethod
+    def plan(cfg: Any, prompt_batches: int) -> tuple[int, int]:
+        """``(updates per epoch, optimizer steps per update)``. The mixed pretraining loss takes its own actor
+        step after each PPO micro-batch (InstructGPT's PPO-ptx mixes the two losses into one step, as
+        DeepSpeed-Chat does; two steps keep the PPO update exactly PPO's, and weight the LM loss by its own rate)."""
+        p, o = cfg.ppo, cfg.optim
+        rows = cfg.rl.per_device_generation_batch_size * p.generation_batches
+        micro = p.ppo_epochs * math.ceil(rows / o.per_device_train_batch_size) * (2 if p.unsup_data else 1)
+        return max(1, prompt_batches // p.generation_batches), micro
+
+    def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
+                 ema: ActorEMA | None, state: dict[str, Any]):
+        self.cfg, self.p, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.ppo, models, hybrid, scorer, gen
+        self.shuffle, self.ema = shuffle, ema
+        p = self.p
+        self.kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \
+            else L.FixedKLController(p.kl_ctl)
+        if "kl_ctl" in state:
+            self.kl_ctl.value = state["kl_ctl"]
+        self.unsup = None
+        if p.unsup_data:
+            d = cfg.data
+            unsup_args = DataArgs(data=p.unsup_data, data_split="1,0,0", max_seq_len=d.max_seq_len,
+                                  eval_fraction=0.0, mask_prompt=False, data_cache_dir=d.data_cache_dir)
+            with E.main_process_first():
+                rows = load_phase(unsup_args, 1, models.tokenizer, cfg.run.seed,
+                                  log=(lambda _: None)).train
+            loader = train_loader(rows, cfg.optim.per_device_train_batch_size,
+                                  DataCollatorSFT(models.tokenizer.pad_token_id), cfg.run.seed)
+            self.unsup = EpochStream(loader, state.get("unsup_batches", 0), what="--unsup-data batches")
+
+    def describe(self) -> str:
+        rm = f" (reward model {self.cfg.rewards.reward_model})" if self.cfg.rewards.reward_model else ""
+        return f"PPO, rewards {self.scorer.describe()}{rm}, ZeRO critic {self.cfg.critic_engine.zero_stage}"
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        return {"kl_ctl": self.kl_ctl.value, "unsup_batches": self.unsup.consumed if self.unsup is not None else 0}
+
+    def scores(self, rollout: Rollout, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The end score of each answer: the reward sources' weighted sum (the reward model alone by default),
+        then optionally normalised by the reward model's statistics and penalised when EOS was never reached."""
+        raw = self.scorer(rollout, batch).total.to(rollout.sequences.device)
+        score = raw.clone()
+        if self.p.normalize_reward and self.models.reward_stats is not None:
+            mean, std = self.models.reward_stats
+            score = (score - mean) / max(std, 1e-6)
+        if self.p.missing_eos_penalty:
+            score = score - self.p.missing_eos_penalty * (~rollout.reached_eos).float()
+        return raw, score
+
+    @torch.no_grad()
+    def make_experience(self, batch: dict[str, Any]) -> tuple[Experience, int]:
+        m, p, temp = self.models, self.p, self.cfg.rl.temperature
+        rollout, dropped = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen,
+                                            min_answer_len=self.cfg.rl.min_answer_len)
+        # Old log-probs, reference log-probs and values in eval mode (no dropout), once per experience batch.
+        m.actor.eval()
+        m.critic.eval()
+        old_logprobs = answer_logprobs(m.actor, rollout, temp)
+        ref_logprobs = answer_logprobs(m.ref, rollout, temp)
+        old_values = answer_values(m.critic, rollout).float()
+        raw, score = self.scores(rollout, batch)
+        m.actor.train()
+        m.critic.train()
+        mask = rollout.action_mask
+        rewards = L.kl_penalized_rewards(old_logprobs, ref_logprobs, score, mask, self.kl_ctl.value,
+                                         p.clip_reward_value)
+        adv, returns = L.gae(old_values, rewards, mask, p.gamma, p.lam)
+        if p.whiten_advantages and mask.sum() > 1:
+            adv = L.whiten(adv, mask)
+        return Experience(rollout, old_logprobs, ref_logprobs, old_values, score, raw, rewards, adv, returns), dropped
+
+    def step(self, stream: EpochStream) -> tuple[dict[str, float], int]:
+        """One PPO update. Returns the step's metrics and the short answers dropped."""
+        pending, dropped = [], 0
+        for _ in range(self.p.generation_batches):
+            t0 = time.time()
+            exp, d = self.make_experience(to_device(next(stream), E.device()))
+            dropped += d
+            pending.append((exp, self.hybrid.last_generate_seconds, time.time() - t0))
+        exp = Experience.concat([x[0] for x in pending], self.models.tokenizer.pad_token_id)
+        gen_time, exp_time = sum(x[1] for x in pending), sum(x[2] for x in pending)
+        t1 = time.time()
+        stats = self.update(exp)
+        train_time = time.time() - t1
+        mask = exp.rollout.action_mask.float()
+        seq_kl = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)
+        local = torch.stack([exp.raw_scores.float().mean(), seq_kl.mean(), L.masked_mean(exp.returns, mask),
+                             mask.sum(-1).mean(), exp.rollout.reached_eos.float().mean()]).cpu()
+        reward, kl, ret, length, eos_rate = E.all_reduce_mean(local).tolist()
+        tokens = E.all_reduce_sum(mask.sum().cpu()).item()
+        rows = self.cfg.rl.per_device_generation_batch_size * self.p.generation_batches
+        self.kl_ctl.update(kl, rows * E.world_size())
+        return {"train/reward": reward, "train/kl": kl, "train/kl_ctl": self.kl_ctl.value, "train/return": ret,
+                "train/answer_length": length, "train/eos_rate": eos_rate, **stats,
+                "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
+                "time/training_s": train_time,
+                "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
+
+    def update(self, exp: Experience) -> dict[str, float]:
+        """``ppo_epochs`` passes of clipped-surrogate actor steps and clipped-value critic steps over ``exp``."""
+        m, p = self.models, self.p
+        sums: dict[str, float] = {}
+        n = 0
+        for _ in range(p.ppo_epochs):
+            for mb in exp.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle):
+                mask = mb.rollout.action_mask
+                logprobs = answer_logprobs(m.actor, mb.rollout, self.cfg.rl.temperature)
+                actor = L.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, p.cliprange)
+                steps_before = m.actor.global_steps
+                m.actor.backward(actor.loss)
+                m.actor.step()
+                if self.unsup is not None:
+                    batch = to_device(next(self.unsup), E.device())
+                    lm_loss = m.actor(**batch, use_cache=False).loss
+                    m.actor.backward(p.unsup_coef * lm_loss)
+                    m.actor.step()
+                    sums["train/unsup_loss"] = sums.get("train/unsup_loss", 0.0) + lm_loss.item()
+                if self.ema is not None and m.actor.global_steps != steps_before:
+                    self.ema.update(m.actor)
+                values = answer_values(m.critic, mb.rollout)
+                critic = L.ppo_value_loss(values, mb.old_values, mb.returns, mask, p.cliprange_value)
+                m.critic.backward(critic.loss)
+                m.critic.step()
+                for key, value in (("train/actor_loss", actor.loss), ("train/critic_loss", critic.loss),
+                                   ("train/actor_clip_frac", actor.clip_frac),
+                                   ("train/critic_clip_frac", critic.clip_frac),
+                                   ("train/approx_kl_old_new", actor.approx_kl)):
+                    sums[key] = sums.get(key, 0.0) + float(value.item())
+                n += 1
+        local = torch.tensor([sums[k] / max(n, 1) for k in sorted(sums)])
+        return dict(zip(sorted(sums), E.all_reduce_mean(local).tolist(), strict=True))
