@@ -1,4 +1,4 @@
-"""Reward-model evaluation, shared by stage 2 (before, during and after training) and ``dschat eval --step 2``.
+"""Reward-model loss and evaluation, shared by stage 2 (before, during and after training) and ``dschat eval --step 2``.
 
 A reward model here is anything whose forward maps ``(input_ids, attention_mask)`` of shape ``(N, T)`` to
 per-token values ``(N, T)``: a ``dschat.models.RewardModel`` or a DeepSpeed engine wrapping one. Batches come
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
+from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
 from dschat.models import RewardModel
 from dschat.stage import lockstep_batches, to_device
 
@@ -50,6 +51,19 @@ def is_reward_checkpoint(path: str, trust_remote_code: bool = False) -> bool:
 
     archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
     return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def reward_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], rm_loss: str = "pairwise",
+                center_coef: float = 0.0) -> PairwiseLossOutput:
+    """The stage-2 loss of one ``DataCollatorReward`` batch from the per-token values ``(2B, T)``: 'pairwise'
+    (SPEC 4, divergence-truncated) or 'last-token' (end scores, minus each row's optional 'margin')."""
+    chosen, rejected = split_pairs(batch)
+    b = chosen["input_ids"].size(0)
+    if rm_loss == "last-token":
+        scores = RewardModel.end_scores(values, batch["attention_mask"])  # (2B,)
+        return last_token_pairwise_loss(scores[:b], scores[b:], batch.get("margin"), center_coef)
+    return pairwise_loss(values[:b], values[b:], chosen["input_ids"], rejected["input_ids"],
+                         chosen["attention_mask"], rejected["attention_mask"])
 
 
 def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
