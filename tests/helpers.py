@@ -51,3 +51,12 @@ def kill_when_state_saved(args: list[str], output_dir: Path, timeout: int = 600)
 
 def losses(path: str | Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_jsonl(Path(path) / "metrics.jsonl") if key in r}
+
+
+def run_stage(cfg):
+    """Run the stage whose config ``cfg`` is, in-process, through the CLI's stage lookup (as ``dschat train``)."""
+    from dschat.cli import stage_module
+    from dschat.config import RewardConfig, SFTConfig
+
+    step = 2 if isinstance(cfg, RewardConfig) else 1 if isinstance(cfg, SFTConfig) else 3
+    return stage_module(step).run(cfg)

@@ -116,8 +116,7 @@ def test_two_nodes_without_ssh_on_localhost(tmp_path):
 @pytest.mark.parametrize("script", sorted(p.relative_to(ROOT).as_posix()
                                           for p in (ROOT / "step1_sft" / "training_scripts").glob("*/*.sh")))
 def test_stage1_training_scripts_pass_only_known_flags(script):
-    from dschat.config import flag_specs
-    from step1_sft.main import SFTConfig
+    from dschat.config import SFTConfig, flag_specs
 
     args = ["MODEL", "OUT"] if "multi_node" in script else ["OUT"]
     proc = subprocess.run(["bash", str(ROOT / script), *args], capture_output=True, text=True, timeout=60,

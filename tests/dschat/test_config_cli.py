@@ -5,9 +5,8 @@ import json
 import pytest
 
 from dschat.cli import stage_command
-from dschat.config import build_config, flag_specs
+from dschat.config import SFTConfig, build_config, flag_specs
 from dschat.errors import UserError
-from step1_sft.main import SFTConfig
 from tests.helpers import run_cli
 
 
@@ -80,3 +79,85 @@ def test_plan_steps_counts_accumulation_windows_across_epochs():
     assert plan_steps(10, OptimArgs(max_steps=25)) == (25, 3)
     with pytest.raises(UserError, match="no optimizer step"):
         plan_steps(3, OptimArgs(gradient_accumulation_steps=4))
+
+
+def test_per_model_flags_come_from_one_prefixed_declaration():
+    from dschat.config import LoraArgs
+    from dschat.rlhf.config import RLHFConfig
+
+    specs = {s.name: s for s in flag_specs(RLHFConfig)}
+    lora = {f"actor_{n}" for n in LoraArgs.__dataclass_fields__} - {"actor_save_adapter"}
+    assert lora <= set(specs) and {n.replace("actor", "critic") for n in lora} <= set(specs)
+    assert specs["actor_lora_dim"].help.startswith("Actor: LoRA rank")
+    cfg = build_config(RLHFConfig, {"model": "m", "actor_lora_dim": 4, "critic_lora_alpha": 8, "save_adapter": True,
+                                    "per_device_training_batch_size": 3, "actor_learning_rate": 1e-5,
+                                    "critic_weight_decay": 0.1, "critic_zero_stage": 3, "offload": True})
+    assert cfg.actor.model == "m"  # --model is the actor's, as in the other stages
+    assert cfg.lora_of("actor") == LoraArgs(lora_dim=4, save_adapter=True)
+    assert cfg.lora_of("critic").lora_alpha == 8 and cfg.lora_of("critic").lora_dim == 0
+    actor, critic = cfg.optim_of("actor"), cfg.optim_of("critic")
+    assert actor.learning_rate == 1e-5 and actor.weight_decay == 0.0 and critic.weight_decay == 0.1
+    # the shared schedule: one batch-size flag (old spelling kept), stage 3's own warmup default (none)
+    assert actor.per_device_train_batch_size == critic.per_device_train_batch_size == 3
+    assert actor.warmup_ratio == critic.warmup_ratio == 0.0 and build_config(SFTConfig, {}).optim.warmup_ratio == 0.05
+    assert cfg.engine_of("critic").zero_stage == 3 and cfg.engine_of("actor").zero_stage == 0
+    assert cfg.engine_of("actor").offload and cfg.engine_of("critic").offload
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"algo": "grpo", "kl_ctl": 0.2}, "--kl-ctl has no effect with --algo grpo"),
+    ({"algo": "grpo", "critic_lora_dim": 8}, "--critic-lora-dim has no effect with --algo grpo"),
+    ({"algo": "grpo", "missing_eos_penalty": 1.0}, "--missing-eos-penalty has no effect with --algo grpo"),
+    ({"algo": "ppo", "loss_type": "dapo"}, "--loss-type has no effect with --algo ppo"),
+    ({"num_generations": 8}, "--num-generations has no effect with --algo ppo"),
+    ({"actor_lora_alpha": 8.0}, "--actor-lora-alpha has no effect without --actor-lora-dim > 0"),
+    ({"judge_max_new_tokens": 8}, "--judge-max-new-tokens has no effect without the reward source 'judge'"),
+    ({"ema_decay": 0.9}, "--ema-decay has no effect without --enable-ema"),
+])
+def test_flags_without_effect_in_the_chosen_mode_are_refused(values, needle):
+    from dschat.config import refuse_inert
+    from dschat.rlhf.config import RLHFConfig
+
+    cfg = build_config(RLHFConfig, values)
+    with pytest.raises(UserError, match=needle):
+        refuse_inert(cfg, set(values))
+    refuse_inert(cfg, {"algo"})  # the same values as defaults (not given) pass
+
+
+def test_given_flags_that_do_act_pass():
+    from dschat.config import refuse_inert
+    from dschat.rlhf.config import RLHFConfig
+
+    for values in ({"algo": "grpo", "beta": 0.0, "loss_type": "dapo", "overlong_buffer": 4},
+                   {"kl_ctl": 0.2, "critic_lora_dim": 8, "critic_lora_alpha": 4.0, "reward_model": "r"},
+                   {"algo": "grpo", "reward_funcs": ["judge"], "judge_model": "j", "judge_max_new_tokens": 3},
+                   {"enable_ema": True, "ema_decay": 0.9}):
+        refuse_inert(build_config(RLHFConfig, values), set(values))
+    with pytest.raises(UserError, match="--lora-alpha has no effect without --lora-dim > 0"):
+        refuse_inert(build_config(SFTConfig, {"lora_alpha": 4.0}), {"lora_alpha"})
+    refuse_inert(build_config(SFTConfig, {"lora_alpha": 4.0, "lora_dim": 2}), {"lora_alpha", "lora_dim"})
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"per_device_train_batch_size": 0}, "--per-device-train-batch-size must be >= 1, got 0"),
+    ({"learning_rate": -1}, "--learning-rate must be > 0, got -1"),
+    ({"max_seq_len": 0}, "--max-seq-len must be >= 2, got 0"),
+    ({"warmup_ratio": float("nan")}, "--warmup-ratio must be a finite number"),
+])
+def test_out_of_range_values_stop_before_anything_loads(values, needle):
+    with pytest.raises(UserError, match=needle):
+        build_config(SFTConfig, values)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--algo", "grpo", "--kl-ctl", "0.2"], "--kl-ctl has no effect with --algo grpo"),
+    (["--algo", "ppo", "--loss-type", "dapo"], "--loss-type has no effect with --algo ppo"),
+    (["--max-answer-seq-len", "0"], "--max-answer-seq-len must be >= 1"),
+])
+def test_stage3_refuses_in_seconds_with_one_line(tmp_path, args, needle):
+    proc = run_cli("train", "--step", "3", "--actor-model", "tiny", "--output-dir", str(tmp_path / "o"), *args,
+                   timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dschat: error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()  # stopped before the output folder was made

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from dschat.config import build_config
-from step1_sft.main import SFTConfig, run
+from dschat.config import SFTConfig, build_config
 from tests.helpers import kill_when_state_saved, losses, read_json, read_jsonl, run_cli
+from tests.helpers import run_stage as run
 
 
 def test_sft_loss_falls_and_model_loads(tmp_path):

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from dschat.config import OptimArgs, build_config
+from dschat.config import OptimArgs, RewardConfig, build_config
 from dschat.data import DataCollatorReward
 from dschat.demo import generate_pairwise
 from dschat.demo.corpus import prompt_question
 from dschat.stage import DEFAULT_LR, TINY_LR, learning_rate
-from step2_reward.main import RewardConfig, run
 from tests.helpers import read_json, read_jsonl, run_cli
+from tests.helpers import run_stage as run
 
 
 def _write_jsonl(path, rows):

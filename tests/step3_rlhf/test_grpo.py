@@ -16,21 +16,13 @@ from dschat.data.phases import demo_files
 from dschat.errors import UserError
 from dschat.models import resolve_model
 from dschat.pipeline import GRPO_SFT_FOLDER, parse_stages, stage_argv
-from dschat.rlhf import Rollout
-from step3_rlhf.main import (
-    RLHFConfig,
-    build_models,
-    check_config,
-    check_reward_data,
-    dynamic_sampling_of,
-    eps_high_of,
-    mask_truncated,
-    needs_old_logprobs,
-    repeat_prompts,
-    run,
-    select_groups,
-)
+from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
+from dschat.rlhf.engines import build_models
+from dschat.rlhf.grpo import mask_truncated, needs_old_logprobs, optimizer_step_normalizers, select_groups
+from dschat.rlhf.rollout import Rollout, repeat_prompts
+from dschat.rlhf.scoring import reward_weights
 from tests.helpers import read_json, read_jsonl
+from tests.helpers import run_stage as run
 
 # A user reward function: the completion's length in characters, so completions of one prompt (almost always)
 # differ and the random tiny actor gets a gradient. It also checks that the row fields arrive aligned.
@@ -151,12 +143,12 @@ def test_grpo_flags_defaults_and_checks(tmp_path):
     assert len(names) == len(set(names))
     cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny"})
     check_config(cfg)  # no --reward-model needed for the rule rewards
-    assert eps_high_of(cfg.grpo) == 0.2 and not dynamic_sampling_of(cfg.grpo)
+    assert cfg.grpo.eps_high == 0.2 and not cfg.grpo.dynamic
     dapo = build_config(RLHFConfig, {"algo": "grpo", "loss_type": "dapo"})
-    assert eps_high_of(dapo.grpo) == 0.28 and dynamic_sampling_of(dapo.grpo)
+    assert dapo.grpo.eps_high == 0.28 and dapo.grpo.dynamic
     dapo = build_config(RLHFConfig, {"algo": "grpo", "loss_type": "dapo", "epsilon_high": 0.3,
                                      "dynamic_sampling": False})
-    assert eps_high_of(dapo.grpo) == 0.3 and not dynamic_sampling_of(dapo.grpo)
+    assert dapo.grpo.eps_high == 0.3 and not dapo.grpo.dynamic
     with pytest.raises(UserError, match="'rm' needs --reward-model"):
         check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "reward_funcs": ["rm"]}))
     with pytest.raises(UserError, match="--reward-model"):
@@ -210,8 +202,6 @@ def test_pipeline_grpo_runs_sft_then_grpo_and_reports(tmp_path):
 def test_optimizer_step_normalizers_follow_the_accumulation_windows():
     from types import SimpleNamespace
 
-    from step3_rlhf.main import optimizer_step_normalizers
-
     def mb(*lengths):
         mask = torch.zeros(len(lengths), 6)
         for i, n in enumerate(lengths):
@@ -226,17 +216,18 @@ def test_optimizer_step_normalizers_follow_the_accumulation_windows():
 
 
 def test_dapo_adds_the_soft_overlong_penalty_unless_told_not_to():
-    from step3_rlhf.main import RLHFConfig, reward_func_names, reward_weights_of
-
     def cfg(**kw):
         return build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", **kw})
+
+    def reward_func_names(c):
+        return c.reward_func_names()
 
     assert reward_func_names(cfg(loss_type="grpo")) == ["format", "accuracy"]
     assert reward_func_names(cfg(loss_type="dapo")) == ["format", "accuracy", "overlong"]
     assert reward_func_names(cfg(loss_type="dapo", overlong_penalty=False)) == ["format", "accuracy"]
     assert reward_func_names(cfg(loss_type="grpo", overlong_penalty=True)) == ["format", "accuracy", "overlong"]
     c = cfg(loss_type="dapo", reward_funcs=["format", "overlong"], reward_weights=["0.5", "2"])
-    assert reward_func_names(c) == ["format", "overlong"] and reward_weights_of(c.grpo, ["format", "overlong"]) == [
+    assert reward_func_names(c) == ["format", "overlong"] and reward_weights(c.rewards, ["format", "overlong"]) == [
         0.5, 2.0]
     c = cfg(loss_type="dapo", reward_funcs=["format"], reward_weights=["0.5"])
-    assert reward_weights_of(c.grpo, reward_func_names(c)) == [0.5, 1.0]
+    assert reward_weights(c.rewards, reward_func_names(c)) == [0.5, 1.0]

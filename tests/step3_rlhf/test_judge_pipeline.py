@@ -12,9 +12,11 @@ from dschat.data.phases import demo_files
 from dschat.errors import UserError
 from dschat.judge import JUDGE, parse_verdict
 from dschat.pipeline import FOLDERS, JUDGE_SFT_FOLDER, parse_stages, stage_argv, summarize
+from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
+from dschat.rlhf.scoring import build_scorer
 from dschat.utils import write_json
-from step3_rlhf.main import RLHFConfig, build_scorer, check_config, check_reward_data
 from tests.helpers import ROOT, read_json, read_jsonl
+from tests.helpers import run_stage as run
 
 
 def test_judge_reward_flags_and_checks():
@@ -36,7 +38,7 @@ def test_judge_reward_flags_and_checks():
 def test_build_scorer_loads_the_judge_as_a_reward_function(tmp_path):
     cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "judge_model": "tiny",
                                     "reward_funcs": ["format", JUDGE], "judge_max_new_tokens": 3})
-    scorer = build_scorer(cfg, models=None, retok=None)  # type: ignore[arg-type]
+    scorer = build_scorer(cfg, models=None)
     assert scorer.mixer.names == ["format", JUDGE]
     judge = scorer.mixer.funcs[JUDGE]
     prompts = ["\n\nHuman: Where is my order?\n\nAssistant:"] * 2
@@ -109,7 +111,6 @@ def test_rm_r1_launch_script_dry_run(tmp_path):
 def test_ppo_with_a_judge_reward_and_no_reward_model(tmp_path):
     """PPO scored by the (untrained) tiny judge against the prompts' reference answers: no reward model loads,
     the critic starts from --critic-model."""
-    from step3_rlhf.main import run
 
     cfg = build_config(RLHFConfig, {
         "actor_model": "tiny", "critic_model": "tiny", "judge_model": "tiny", "reward_funcs": [JUDGE, "format"],
@@ -128,7 +129,6 @@ def test_ppo_with_a_judge_reward_and_no_reward_model(tmp_path):
 def test_grpo_with_a_judge_reward_runs_end_to_end(tmp_path):
     """Two GRPO steps whose only reward is the (untrained) tiny judge: the wiring from --reward-funcs judge to
     eval.json, with the reference answers of prompt-only rows."""
-    from step3_rlhf.main import run
 
     cfg = build_config(RLHFConfig, {
         "algo": "grpo", "actor_model": "tiny", "judge_model": "tiny", "reward_funcs": [JUDGE],

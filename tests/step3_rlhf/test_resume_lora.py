@@ -11,10 +11,11 @@ import torch
 
 from dschat.config import build_config
 from dschat.models import resolve_model
+from dschat.rlhf.config import RLHFConfig
+from dschat.rlhf.grpo import GRPO
 from dschat.stage import Interrupted
-from step3_rlhf import main as step3
-from step3_rlhf.main import RLHFConfig, run
 from tests.helpers import kill_when_state_saved, losses, read_json, read_jsonl, run_cli
+from tests.helpers import run_stage as run
 
 
 def _weights(folder):
@@ -80,7 +81,7 @@ def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypat
     reward = f"{tmp_path / 'length.py'}:reward"  # coarse, so some groups tie and dynamic sampling refills
     ref = tmp_path / "ref"
     run(grpo_cfg(ref, reward, actor_zero_stage=zero))
-    real_step = step3.grpo_step
+    real_step = GRPO.step
     calls = {"n": 0}
 
     def interrupted_step(*args, **kwargs):
@@ -90,7 +91,7 @@ def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypat
         return real_step(*args, **kwargs)
 
     out = tmp_path / "int"
-    monkeypatch.setattr(step3, "grpo_step", interrupted_step)
+    monkeypatch.setattr(GRPO, "step", interrupted_step)
     with pytest.raises(Interrupted, match="interrupted: saved .*step-00000003"):
         run(grpo_cfg(out, reward, force=False, actor_zero_stage=zero))
     assert calls["n"] == 3 and not (out / "eval.json").exists()
@@ -99,7 +100,7 @@ def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypat
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.vocab_size > 0
-    monkeypatch.setattr(step3, "grpo_step", real_step)
+    monkeypatch.setattr(GRPO, "step", real_step)
     run(grpo_cfg(out, reward, force=False, resume=True, actor_zero_stage=zero))
     assert max(losses(ref, "train/resample_rounds").values()) > 0  # the stream ran ahead of the step count
     for key in ("train/actor_loss", "train/reward", "train/kl", "train/resample_rounds"):

@@ -9,9 +9,10 @@ from dschat import engine as E
 from dschat.config import EngineArgs, OptimArgs, build_config
 from dschat.hybrid_engine import GenerationConfig, HybridEngine
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model
-from dschat.rlhf import answer_logprobs, make_rollout, positions_from_mask
-from step3_rlhf.main import RLHFConfig, run
+from dschat.rlhf.config import RLHFConfig
+from dschat.rlhf.rollout import answer_logprobs, make_rollout, positions_from_mask
 from tests.helpers import read_json, read_jsonl, run_cli
+from tests.helpers import run_stage as run
 
 EOS, PAD = 2, 3
 
@@ -32,7 +33,7 @@ def test_rollout_masks_after_first_eos_and_drops_short_answers():
 
 
 def test_retokenized_answers_get_eos_only_when_they_ended(tiny):
-    from dschat.rlhf import Retokenizer
+    from dschat.rlhf.scoring import Retokenizer
 
     _, tok = tiny
     prompt = torch.tensor([[1, 100, 101], [1, 102, 103]])
