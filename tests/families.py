@@ -90,7 +90,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
 def _training_text() -> list[str]:
     text = questions(200, seed=1) + _GOOD + _BAD + _ZH
     dialogues = zip(questions(50, 2), _GOOD * 13, strict=False)
-    return text + ["\n\nHuman: " + q + "\n\nAssistant: " + a for q, a in dialogues]
+    return text + [f"\n\nHuman: {q}\n\nAssistant: {a}\n[INST] {q} [/INST] {a}\nuser model" for q, a in dialogues]
 
 
 def _bpe(style: str, front: list[str], back: list[str], vocab: int) -> Any:
