@@ -7,9 +7,12 @@ into the dschat cache). Offline and absent gives one clear line, never a downloa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
+import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,6 +202,16 @@ def fit_embeddings(model: Any, n_tokens: int) -> None:
                 layer.weight[old:] = layer.weight[:old].mean(0)
 
 
+@contextlib.contextmanager
+def _refuse_pickles(path: str) -> Iterator[None]:
+    """A ``pytorch_model.bin`` holding anything but tensors is refused (``weights_only``), as one clear line."""
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: its pytorch_model*.bin holds more than tensors, so it was not unpickled; "
+                        "convert a trusted copy to safetensors") from None
+
+
 def _tokenizer_facts(path: str, trust_remote_code: bool) -> tuple[int, int | None]:
     """``(len, pad id)`` of dschat's tokenizer for the model folder ``path`` (a folder without a tokenizer
     keeps its own config)."""
@@ -229,8 +242,9 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
     n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
     if pad is not None:
         config.pad_token_id = pad  # the saved config names the pad the saved tokenizer pads with
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
-                                                 trust_remote_code=trust_remote_code)
+    with _refuse_pickles(path):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
+                                                     trust_remote_code=trust_remote_code)
     fit_embeddings(model, n_tokens)
     if lora is not None and lora.lora_dim:
         from dschat.lora import apply_lora
@@ -301,9 +315,10 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
         # dschat's end score is (``ensure_distinct_pad``), so the saved folder scores as dschat does.
         config.pad_token_id = pad_token_id
     try:
-        seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                     weights_only=True,
-                                                                     trust_remote_code=trust_remote_code)
+        with _refuse_pickles(path):
+            seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                         weights_only=True,
+                                                                         trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise UserError(f"{path}: this model family has no sequence-classification head in transformers "
                         f"({str(e).splitlines()[0][:120]})") from None

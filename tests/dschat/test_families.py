@@ -13,6 +13,7 @@ import torch
 
 from dschat.config import DataArgs
 from dschat.data import DataCollatorReward, load_phase
+from dschat.errors import UserError
 from dschat.models import PAD_TOKEN, create_causal_lm, create_reward_model, load_tokenizer
 from tests.families import FAMILIES, build_family, pairwise_rows, write_rows
 
@@ -157,7 +158,9 @@ def test_models_published_as_pytorch_model_bin_load_and_pickled_code_never_runs(
     from transformers import AutoModelForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(families[0]["gpt2"])
-    src.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    src.save_pretrained(tmp_path / "bin")  # then republished the old way, as a pickled state dict
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    torch.save(src.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     load_tokenizer(str(families[0]["gpt2"])).save_pretrained(tmp_path / "bin")
     assert (tmp_path / "bin" / "pytorch_model.bin").exists()
     assert not list((tmp_path / "bin").glob("*.safetensors"))
@@ -170,6 +173,6 @@ def test_models_published_as_pytorch_model_bin_load_and_pickled_code_never_runs(
     state["x"] = _Payload(str(marker))  # type: ignore[assignment]
     with open(tmp_path / "bin" / "pytorch_model.bin", "wb") as f:
         torch.save(state, f, pickle_module=pickle)
-    with pytest.raises(Exception):  # noqa: B017 - transformers' own error for a refused unpickle
+    with pytest.raises(UserError, match="not unpickled"):
         create_causal_lm(str(tmp_path / "bin"))
     assert not marker.exists()
