@@ -3,7 +3,8 @@ stage 2 (its saved folder scores as HF's ``AutoModelForSequenceClassification`` 
 reports what HF's scores give), PPO and GRPO for a step, ``dschat chat`` and ``dschat export``.
 
 Commands run in-process through the ``dschat`` entry point (as a user types them), a few rows and one or two
-steps each; one module-scoped run per family serves all its checks.
+steps each; one module-scoped run per family serves all its checks. ``llama_sp-bf16`` runs every stage, eval,
+chat and export of the ``tiny`` family in bf16 on the CPU, the closest this machine gets to the GPU default.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -70,19 +72,20 @@ def dschat_scores(model_dir: Path, rows: list[list[int]]) -> torch.Tensor:
         return rm.end_scores(rm(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])[:n]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[*FAMILIES, "llama_sp-bf16"])
 def family(request, tmp_path_factory):
     """Stages 1 and 2 of one family, with their folders and the pairs file."""
-    name = request.param
-    root = tmp_path_factory.mktemp(name)
+    name, _, dtype = request.param.partition("-")
+    root = tmp_path_factory.mktemp(request.param)
     base = build_family(name, root)
     data = write_rows(root / "pairs.jsonl", pairwise_rows(48))
-    run = {"name": name, "base": base, "data": data, "root": root}
+    flags = [*COMMON, "--dtype", dtype or "fp32"]
+    run = {"name": name, "base": base, "data": data, "root": root, "dtype": dtype or "fp32", "flags": flags}
     d = ["--data", str(data)]
     dschat("train", "--step", "1", "--model", str(base), *d, "--output-dir", str(root / "s1"), "--max-steps", "2",
-           "--per-device-train-batch-size", "4", "--no-save-final-state", *COMMON)
+           "--per-device-train-batch-size", "4", "--no-save-final-state", *flags)
     dschat("train", "--step", "2", "--model", str(root / "s1" / "model"), *d, "--output-dir", str(root / "s2"),
-           "--max-steps", "2", "--per-device-train-batch-size", "4", *COMMON)
+           "--max-steps", "2", "--per-device-train-batch-size", "4", *flags)
     return run
 
 
@@ -91,6 +94,8 @@ def test_stage1_and_stage2_ran(family):
         assert (family["root"] / stage / "model" / "config.json").exists()
     ev = read_json(family["root"] / "s2" / "eval.json")
     assert ev["eval_pairs"] > 0 and ev["steps"] == 2
+    saved = read_json(family["root"] / "s2" / "model" / "config.json")
+    assert saved.get("dtype", saved.get("torch_dtype")) == {"fp32": "float32", "bf16": "bfloat16"}[family["dtype"]]
 
 
 def test_saved_reward_model_scores_as_hf_does(family):
@@ -134,6 +139,10 @@ def test_dschat_eval_reports_what_hf_scores_give(family, tmp_path):
     assert got["accuracy"] == pytest.approx(((c > x).double() + 0.5 * (c == x).double()).mean().item(), abs=1e-9)
     assert got["chosen_score"] == pytest.approx(c.mean().item(), abs=1e-5)
     assert got["rejected_score"] == pytest.approx(x.mean().item(), abs=1e-5)
+    if family["dtype"] == "bf16":  # and in bf16 on the CPU, within bf16's precision
+        half = dschat("eval", "--step", "2", "--model", str(model_dir), "--data", str(family["data"]),
+                      "--max-seq-len", "96", "--dtype", "bf16")
+        assert float(re.search(r"chosen_score: (\S+)", half).group(1)) == pytest.approx(c.mean().item(), abs=0.02)
 
 
 def test_export_of_the_reward_state_scores_the_same(family, tmp_path):
@@ -169,5 +178,5 @@ def test_stage3_runs(family, algo, tmp_path):
 
 def test_chat_answers(family):
     text = dschat("chat", "--model", str(family["root"] / "s1" / "model"), "--prompt", "Hello, my parcel is late.",
-                  "--greedy", "--max-new-tokens", "6")
+                  "--greedy", "--max-new-tokens", "6", "--dtype", family["dtype"])
     assert isinstance(text, str)
