@@ -90,8 +90,13 @@ def family(request, tmp_path_factory):
 
 
 def test_stage1_and_stage2_ran(family):
+    from dschat.models import load_tokenizer
+
     for stage in ("s1", "s2"):
         assert (family["root"] / stage / "model" / "config.json").exists()
+    # Actor and reward model share one vocabulary (pad included): stage 3 scores the actor's ids as they are.
+    s1, s2 = (load_tokenizer(str(family["root"] / s / "model")) for s in ("s1", "s2"))
+    assert s1.get_vocab() == s2.get_vocab() and s1.pad_token_id == s2.pad_token_id != s2.eos_token_id
     ev = read_json(family["root"] / "s2" / "eval.json")
     assert ev["eval_pairs"] > 0 and ev["steps"] == 2
     saved = read_json(family["root"] / "s2" / "model" / "config.json")

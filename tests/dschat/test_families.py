@@ -123,6 +123,26 @@ def test_one_row_per_family_decodes_with_its_template_one_bos_and_the_eos(famili
     assert encode_prompts(tok, [messages], None)[0][0] == want
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gpt2", "opt"])
+def test_eos_is_trained_with_the_shipped_tokenizer_where_eos_is_also_pad_or_bos(families, name):
+    """Stage 1 marks padding by the mask and labels, never by id: with the tokenizer as shipped (Qwen2 pads with
+    its EOS, GPT-2 and OPT begin with it) every row's final EOS is a trained label and padding is not."""
+    from transformers import AutoTokenizer
+
+    from dschat.data import DataCollatorSFT
+
+    folder, data = families
+    shipped = AutoTokenizer.from_pretrained(folder[name])
+    eos = shipped.eos_token_id
+    rows = _rows(shipped, data, 1)[:4]
+    batch = DataCollatorSFT(eos)(rows)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert batch["labels"][i, n - 1] == eos and batch["attention_mask"][i, :n].all()
+        assert (batch["labels"][i, n:] == -100).all() and not batch["attention_mask"][i, n:].any()
+        assert batch["labels"][i, 0] == -100  # the prompt (and a leading BOS) is masked
+
+
 def test_aliases_name_their_family_and_the_readme_lists_them():
     from dschat.models import ALIASES, FAMILY_ALIASES
 
