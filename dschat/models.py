@@ -179,8 +179,9 @@ def ensure_distinct_pad(tok: Any) -> None:
         tok.pad_token = tok.unk_token
         return
     avoid = {eos, tok.bos_token_id}
-    spare = [(i, t.content) for i, t in sorted(tok.added_tokens_decoder.items())
-             if t.special and i not in avoid and any(w in t.content.lower() for w in ("pad", "reserved"))]
+    added = sorted(getattr(tok, "added_tokens_decoder", {}).items())
+    spare = [(i, t.content) for i, t in added if getattr(t, "special", False) and i not in avoid
+             and any(word in t.content.lower() for word in ("pad", "reserved"))]
     spare.sort(key=lambda it: "pad" not in it[1].lower())  # a token meant for padding before a reserved one
     if spare:
         tok.pad_token = spare[0][1]
