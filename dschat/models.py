@@ -7,9 +7,12 @@ into the dschat cache). Offline and absent gives one clear line, never a downloa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
+import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,25 +25,47 @@ from dschat.utils import atomic_dir, cache_root, stable_hash
 if TYPE_CHECKING:
     from dschat.config import LoraArgs
 
-ALIASES: dict[str, str] = {
-    "chinese-llama-2-7b": "hfl/chinese-llama-2-7b",
-    "chinese-llama-2-13b": "hfl/chinese-llama-2-13b",
-    "chinese-llama-2-1.3b": "hfl/chinese-llama-2-1.3b",
-    "chinese-alpaca-2-7b": "hfl/chinese-alpaca-2-7b",
-    "chinese-alpaca-2-1.3b": "hfl/chinese-alpaca-2-1.3b",
-    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
-    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
-    "llama-2-7b-chat": "meta-llama/Llama-2-7b-chat-hf",
-    "opt-125m": "facebook/opt-125m",
-    "opt-350m": "facebook/opt-350m",
-    "opt-1.3b": "facebook/opt-1.3b",
-    "opt-6.7b": "facebook/opt-6.7b",
-    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
-    "qwen2.5-0.5b-instruct": "Qwen/Qwen2.5-0.5B-Instruct",
-    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
-    "gpt2": "openai-community/gpt2",
+# Short names for common checkpoints: alias -> (HF repo, model family it loads). Families whose tokenizer ships
+# no pad, or pad == EOS (Qwen2 base, GPT-2, Llama-3), get a distinct pad from ``load_tokenizer``.
+FAMILY_ALIASES: dict[str, tuple[str, str]] = {
+    "chinese-llama-2-7b": ("hfl/chinese-llama-2-7b", "llama-2"),
+    "chinese-llama-2-13b": ("hfl/chinese-llama-2-13b", "llama-2"),
+    "chinese-llama-2-1.3b": ("hfl/chinese-llama-2-1.3b", "llama-2"),
+    "chinese-alpaca-2-7b": ("hfl/chinese-alpaca-2-7b", "llama-2"),
+    "chinese-alpaca-2-1.3b": ("hfl/chinese-alpaca-2-1.3b", "llama-2"),
+    "llama-2-7b": ("meta-llama/Llama-2-7b-hf", "llama-2"),
+    "llama-2-13b": ("meta-llama/Llama-2-13b-hf", "llama-2"),
+    "llama-2-7b-chat": ("meta-llama/Llama-2-7b-chat-hf", "llama-2"),
+    "llama-3-8b": ("meta-llama/Meta-Llama-3-8B", "llama-3"),
+    "llama-3-8b-instruct": ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3"),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", "llama-3"),
+    "llama-3.2-1b-instruct": ("meta-llama/Llama-3.2-1B-Instruct", "llama-3"),
+    "mistral-7b": ("mistralai/Mistral-7B-v0.1", "mistral"),
+    "mistral-7b-instruct": ("mistralai/Mistral-7B-Instruct-v0.2", "mistral"),
+    "gemma-2-2b": ("google/gemma-2-2b", "gemma2"),
+    "gemma-2-2b-it": ("google/gemma-2-2b-it", "gemma2"),
+    "opt-125m": ("facebook/opt-125m", "opt"),
+    "opt-350m": ("facebook/opt-350m", "opt"),
+    "opt-1.3b": ("facebook/opt-1.3b", "opt"),
+    "opt-6.7b": ("facebook/opt-6.7b", "opt"),
+    "qwen2.5-0.5b": ("Qwen/Qwen2.5-0.5B", "qwen2"),
+    "qwen2.5-0.5b-instruct": ("Qwen/Qwen2.5-0.5B-Instruct", "qwen2"),
+    "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B", "qwen2"),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B", "qwen2"),
+    "gpt2": ("openai-community/gpt2", "gpt2"),
+    "gpt2-medium": ("openai-community/gpt2-medium", "gpt2"),
 }
+ALIASES: dict[str, str] = {name: repo for name, (repo, _) in FAMILY_ALIASES.items()}
+
+# Files a model download fetches: config, tokenizer and weights. Weights as safetensors when the repository has
+# them, else as PyTorch ``*.bin`` (older OPT/GPT-2 style repos), which transformers reads with
+# ``torch.load(weights_only=True)``: tensors only, never arbitrary pickled objects.
+CONFIG_PATTERNS = ["*.json", "*.model", "*.txt", "*.py", "*.tiktoken", "*.jinja"]
+SAFETENSORS_PATTERNS = ["*.safetensors"]
+BIN_PATTERNS = ["pytorch_model*.bin"]
+
+# The pad dschat adds when a tokenizer has no usable one (pad missing or equal to EOS) and no spare special token.
+PAD_TOKEN = "<|pad|>"
 
 TINY = "tiny"
 
@@ -100,8 +125,7 @@ def resolve_model(name: str) -> str:
     hint = f" (alias of {repo})" if repo != name else ""
     if not offline:
         try:
-            return snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                           "*.py", "*.tiktoken", "*.jinja"])
+            return snapshot_download(repo, allow_patterns=download_patterns(repo))
         except Exception as e:  # noqa: BLE001
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise UserError(f"model {name!r}{hint} is not a local folder nor in the HF cache, and downloading "
@@ -110,8 +134,21 @@ def resolve_model(name: str) -> str:
                     f"download it first (huggingface-cli download {repo}) or pass a local path")
 
 
+def download_patterns(repo: str) -> list[str]:
+    """What ``resolve_model`` downloads from ``repo``: config and tokenizer files, and the weights as
+    safetensors, or as ``pytorch_model*.bin`` when the repository publishes no safetensors."""
+    try:
+        from huggingface_hub import list_repo_files
+
+        files = list_repo_files(repo)
+    except Exception:  # noqa: BLE001 - listing failed: ask for both, the download reports what is missing
+        return CONFIG_PATTERNS + SAFETENSORS_PATTERNS + BIN_PATTERNS
+    has_safetensors = any(f.endswith(".safetensors") for f in files)
+    return CONFIG_PATTERNS + (SAFETENSORS_PATTERNS if has_safetensors else BIN_PATTERNS)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    """The model's tokenizer, with a pad token guaranteed (EOS when it has none: masks, not ids, mark padding)."""
+    """The model's tokenizer, with a pad token that is not EOS (``ensure_distinct_pad``)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
@@ -119,14 +156,71 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{path}: cannot load tokenizer ({str(e).strip().splitlines()[0][:200]})") from None
-    if tok.pad_token_id is None:
-        # A pad distinct from EOS keeps HF's sequence-classification pooling (last token != pad) equal to
-        # dschat's end score (last token by attention mask); unk is the usual choice for Llama tokenizers.
-        if tok.unk_token is not None and tok.unk_token_id != tok.eos_token_id:
-            tok.pad_token = tok.unk_token
-        else:
-            tok.pad_token = tok.eos_token
+    ensure_distinct_pad(tok)
     return tok
+
+
+def ensure_distinct_pad(tok: Any) -> None:
+    """Give ``tok`` a pad token other than EOS, in place, when it has none or pad == EOS (Qwen2 base, GPT-2,
+    Llama-3 ship so).
+
+    Why: dschat's end score is the value at the EOS that ends every input (found from the attention mask), and
+    HF's ``*ForSequenceClassification`` pools at the last token that is not ``config.pad_token_id``. The two
+    agree exactly when pad != EOS, so every stage pads with, and every saved folder (tokenizer and config)
+    carries, such a pad. Which one, first found: unk (Llama-2, Mistral); a special token already in the vocab
+    that is meant for padding or reserved (``<|finetune_right_pad_id|>``, ``<|reserved_special_token_0|>``);
+    else a new ``<|pad|>`` (GPT-2), for which the model's embedding grows by a row (``fit_embeddings``). The
+    choice depends on the tokenizer alone, so every stage makes the same one, and once saved it is kept.
+    Padding is marked by attention masks everywhere in dschat, so the pad's id never changes a number."""
+    eos = tok.eos_token_id
+    if tok.pad_token_id is not None and tok.pad_token_id != eos:
+        return
+    if tok.unk_token is not None and tok.unk_token_id not in (None, eos):
+        tok.pad_token = tok.unk_token
+        return
+    avoid = {eos, tok.bos_token_id}
+    added = sorted(getattr(tok, "added_tokens_decoder", {}).items())
+    spare = [(i, t.content) for i, t in added if getattr(t, "special", False) and i not in avoid
+             and any(word in t.content.lower() for word in ("pad", "reserved"))]
+    spare.sort(key=lambda it: "pad" not in it[1].lower())  # a token meant for padding before a reserved one
+    if spare:
+        tok.pad_token = spare[0][1]
+    else:
+        tok.add_special_tokens({"pad_token": PAD_TOKEN})
+
+
+def fit_embeddings(model: Any, n_tokens: int) -> None:
+    """Grow ``model``'s token embeddings (and an untied LM head) to ``n_tokens`` rows when the tokenizer has
+    more ids than the model (the ``<|pad|>`` of ``ensure_distinct_pad``). New rows are the mean of the old ones:
+    deterministic (no random draw) and, as an output row, no likelier than an average token."""
+    old = model.get_input_embeddings().num_embeddings
+    if n_tokens <= old:
+        return
+    model.resize_token_embeddings(n_tokens, mean_resizing=False)
+    with torch.no_grad():
+        for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if layer is not None and layer.weight.shape[0] == n_tokens:
+                layer.weight[old:] = layer.weight[:old].mean(0)
+
+
+@contextlib.contextmanager
+def _refuse_pickles(path: str) -> Iterator[None]:
+    """A ``pytorch_model.bin`` holding anything but tensors is refused (``weights_only``), as one clear line."""
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: its pytorch_model*.bin holds more than tensors, so it was not unpickled; "
+                        "convert a trusted copy to safetensors") from None
+
+
+def _tokenizer_facts(path: str, trust_remote_code: bool) -> tuple[int, int | None]:
+    """``(len, pad id)`` of dschat's tokenizer for the model folder ``path`` (a folder without a tokenizer
+    keeps its own config)."""
+    try:
+        tok = load_tokenizer(path, trust_remote_code)
+    except UserError:
+        return 0, None
+    return len(tok), tok.pad_token_id
 
 
 def _apply_dropout(config: Any, dropout: float | None) -> None:
@@ -146,8 +240,13 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
     _quiet_transformers()
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _apply_dropout(config, dropout)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
+    if pad is not None:
+        config.pad_token_id = pad  # the saved config names the pad the saved tokenizer pads with
+    with _refuse_pickles(path):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
+                                                     trust_remote_code=trust_remote_code)
+    fit_embeddings(model, n_tokens)
     if lora is not None and lora.lora_dim:
         from dschat.lora import apply_lora
 
@@ -187,7 +286,9 @@ class RewardModel(nn.Module):
 
     @staticmethod
     def end_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Value at each row's last real token, found from the mask (pad may equal EOS). ``(B, T) -> (B,)``."""
+        """The end score: the value at each row's last real token, found from the mask, which is the EOS that
+        ends every input (stages append it). HF's pooling lands on the same token because dschat's pad is never
+        EOS (``ensure_distinct_pad``). ``(B, T) -> (B,)``."""
         from dschat.losses import end_indices
 
         idx = end_indices(attention_mask)
@@ -207,14 +308,22 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _apply_dropout(config, dropout)
     config.num_labels = 1
+    n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
+    if pad_token_id is None:
+        pad_token_id = pad
     if pad_token_id is not None:
+        # HF's pooling takes the last token != this id: with a pad distinct from EOS that is the EOS, where
+        # dschat's end score is (``ensure_distinct_pad``), so the saved folder scores as dschat does.
         config.pad_token_id = pad_token_id
     try:
-        seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                     trust_remote_code=trust_remote_code)
+        with _refuse_pickles(path):
+            seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                         weights_only=True,
+                                                                         trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise UserError(f"{path}: this model family has no sequence-classification head in transformers "
                         f"({str(e).splitlines()[0][:120]})") from None
+    fit_embeddings(seq_cls, n_tokens)
     model = RewardModel(seq_cls)
     if lora is not None and lora.lora_dim:
         from dschat.lora import apply_lora
