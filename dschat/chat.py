@@ -98,11 +98,12 @@ def encode_prompt(messages: Messages, tokenizer: Any) -> list[int]:
     the BOS text itself: a doubled BOS is a sequence the model never saw.
     """
     from dschat.data.formats import render_prompt
+    from dschat.usertext import encode_one, prompt_parts
 
     text = render_prompt(messages, tokenizer)
     bos = getattr(tokenizer, "bos_token", None)
     special = not (bos and text.startswith(bos))
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return encode_one(tokenizer, text, prompt_parts(messages), special)  # the user's "</s>" is text, not EOS
 
 
 def _turn_starts(messages: Messages) -> list[int]:

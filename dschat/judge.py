@@ -217,9 +217,10 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str | Messages], max_len: i
     """Token ids of rendered prompts (``render_prompt``: chat template or Human/Assistant), left-truncated to
     ``max_len`` (the question's end and the answers are at the end). Returns the ids and how many were cut."""
     from dschat.data.formats import render_prompt
+    from dschat.usertext import encode_texts, prompt_parts
 
     texts = [render_prompt(p, tokenizer) for p in prompts]
-    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    ids = encode_texts(tokenizer, texts, [prompt_parts(p) for p in prompts], True)  # user text stays text
     bos = tokenizer.bos_token_id
     out, cut = [], 0
     for row in ids:

@@ -34,6 +34,7 @@ from dschat.data.formats import (
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.errors import UserError
 from dschat.judge import inject_system_prompt, read_system_prompt
+from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import cache_root, stable_hash
 
 CACHE_VERSION = 1  # bump when tokenization logic changes, so old caches are never read
@@ -191,11 +192,9 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
     return fmt, train, evals, counts
 
 
-def _encode(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in range(0, len(texts), 1024):
-        out += tokenizer(texts[i: i + 1024], add_special_tokens=special)["input_ids"]
-    return out
+def _encode(tokenizer: Any, texts: list[str], special: bool, parts: list[list[str | None]]) -> list[list[int]]:
+    """Ids of rendered texts; ``parts`` (per text) are the row's own strings, tokenized as text (issue 11)."""
+    return encode_texts(tokenizer, texts, parts, special)
 
 
 def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data: DataArgs,
@@ -214,7 +213,8 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             counts["dropped_identical_pair"] += 1
         else:
             usable.append(ex)
-    prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], special=True)
+    prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], True,
+                      [prompt_parts(ex.prompt) for ex in usable])
     bos = tokenizer.bos_token_id
     if bos is not None:  # chat templates that write BOS themselves (Llama-2/3) must not get a second one
         prompts = [ids[1:] if len(ids) > 1 and ids[0] == ids[1] == bos else ids for ids in prompts]
@@ -230,8 +230,10 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             rows.append({"prompt_input_ids": ids, "answer": ex.answer, "where": ex.where,
                          "extra": _jsonable(ex.extra)})
         return rows
-    chosen = _encode(tokenizer, [render_answer(ex.prompt, ex.chosen or "", tokenizer) for ex in usable], False)
-    rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer) for ex in usable], False)
+    chosen = _encode(tokenizer, [render_answer(ex.prompt, ex.chosen or "", tokenizer) for ex in usable], False,
+                     [[ex.chosen] for ex in usable])
+    rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer) for ex in usable], False,
+                        [[ex.rejected] for ex in usable])
                 if phase == 2 else [[]] * len(usable))
     for ex, p, c, x in zip(usable, prompts, chosen, rejected, strict=True):
         c_ids, x_ids = p + c + [eos], p + x + [eos]
