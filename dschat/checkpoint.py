@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat import engine as E
+from dschat.diskfull import DiskFull, disk_full_error, is_disk_full
 from dschat.models import hf_model
 from dschat.utils import atomic_dir
 
@@ -25,6 +26,7 @@ def save_hf(model: Any, tokenizer: Any, out_dir: str | Path, config_updates: dic
     from dschat.lora import ADAPTER_DIR, adapter_state_dict, lora_args_of, merged_state_dict, save_adapter_folder
 
     module = E.unwrap(model)
+    failed = False
     state = state_dict if state_dict is not None else E.full_state_dict(module)
     if E.is_main():
         # Non-persistent buffers (rotary inv_freq) are not weights; the ZeRO-3 gather returns them too.
@@ -36,11 +38,26 @@ def save_hf(model: Any, tokenizer: Any, out_dir: str | Path, config_updates: dic
         state = merged_state_dict(module, state)
         target, prefix = hf_model(module)
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        with atomic_dir(out_dir) as tmp:
-            for key, value in (config_updates or {}).items():
-                setattr(target.config, key, value)
-            target.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            if adapter is not None:
-                save_adapter_folder(module, adapter, Path(tmp) / ADAPTER_DIR)
-    E.barrier()
+        try:
+            with atomic_dir(out_dir) as tmp:
+                for key, value in (config_updates or {}).items():
+                    setattr(target.config, key, value)
+                target.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+                if adapter is not None:
+                    save_adapter_folder(module, adapter, Path(tmp) / ADAPTER_DIR)
+        except Exception as e:  # noqa: BLE001 - a full disk is one line (atomic_dir removed the partial folder)
+            if not is_disk_full(e, out_dir):
+                raise
+            failed = True
+    # Every rank learns whether rank 0 could write (this is the closing barrier), so all stop together.
+    if any(E.gather_objects(failed)):
+        raise DiskFull(E.broadcast_object(str(disk_full_error("a model folder", out_dir, _kept(out_dir)))
+                                          if E.is_main() else None))
+
+
+def _kept(out_dir: str | Path) -> str:
+    from dschat.resume import latest_state
+
+    latest = latest_state(Path(out_dir).parent)
+    return f"the last complete training state {latest} is kept" if latest else "no partial folder is left"

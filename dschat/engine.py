@@ -326,7 +326,8 @@ def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) 
     """The full fp32 module state dict of a DeepSpeed checkpoint written by ``save_checkpoint``, offline.
 
     ZeRO 1-3 shards (one file per rank) are merged; a ZeRO-0 checkpoint holds the module whole. Needs no
-    process group, so it runs on any machine (e.g. a CPU box exporting a GPU run).
+    process group, so it runs on any machine (e.g. a CPU box exporting a GPU run). DeepSpeed's merger unpickles
+    the optimizer files: check the state's manifest first (``dschat.integrity.verify_state``).
     """
     from pathlib import Path
 
@@ -341,5 +342,7 @@ def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) 
         from dschat.errors import UserError
 
         raise UserError(f"{folder}: no DeepSpeed model states found")
-    blob = torch.load(files[0], map_location="cpu", weights_only=False)
+    from dschat.integrity import load_tensors
+
+    blob = load_tensors(files[0])  # a ZeRO-0 model file holds tensors and plain values only: no pickled code
     return {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}

@@ -51,10 +51,12 @@ def rebuild_module(meta_dir: Path) -> object:
 def export_state(checkpoint: Path, output: Path, engine: str | None = None, save_adapter: bool = False) -> Path:
     from dschat import engine as E
     from dschat.checkpoint import save_hf
+    from dschat.integrity import verify_state
     from dschat.models import load_tokenizer
     from dschat.resume import META, TAG
 
     state_dir = find_state(checkpoint)
+    verify_state(state_dir)  # before anything unpickles: only a state exactly as dschat wrote it is loaded
     engines = sorted(p.name for p in state_dir.iterdir() if (p / TAG).is_dir())
     name = engine or next((n for n in ("model", "actor") if n in engines), None)
     if name not in engines:

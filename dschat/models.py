@@ -223,6 +223,34 @@ def _tokenizer_facts(path: str, trust_remote_code: bool) -> tuple[int, int | Non
     return len(tok), tok.pad_token_id
 
 
+def load_failure(path: str, e: BaseException) -> UserError:
+    """One line for a model folder that does not load: remote code not trusted, damaged weights, other errors."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if "trust_remote_code" in str(e):
+        return UserError(f"{path}: this model needs its own Python code (auto_map in config.json) to load; pass "
+                         "--trust-remote-code if you trust that code (it runs it)")
+    from dschat.integrity import damaged_safetensors
+
+    damaged = damaged_safetensors(path) if Path(path).is_dir() else None
+    if damaged is not None:
+        return UserError(f"{damaged[0]}: damaged weights ({damaged[1]}); copy or download the model again")
+    return UserError(f"{path}: cannot load the model ({type(e).__name__}: {first})")
+
+
+# What loading a model folder raises when the folder, not the program, is at fault (SafetensorError is an
+# Exception of its own).
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError)
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from safetensors import SafetensorError
+
+        return (*_LOAD_ERRORS, SafetensorError)
+    except ImportError:
+        return _LOAD_ERRORS
+
+
 def _apply_dropout(config: Any, dropout: float | None) -> None:
     if dropout is None:
         return
@@ -238,14 +266,17 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet_transformers()
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    _apply_dropout(config, dropout)
-    n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
-    if pad is not None:
-        config.pad_token_id = pad  # the saved config names the pad the saved tokenizer pads with
-    with _refuse_pickles(path):
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
-                                                     trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        _apply_dropout(config, dropout)
+        n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
+        if pad is not None:
+            config.pad_token_id = pad  # the saved config names the pad the saved tokenizer pads with
+        with _refuse_pickles(path):
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
+                                                         trust_remote_code=trust_remote_code)
+    except _load_errors() as e:
+        raise load_failure(path, e) from None
     fit_embeddings(model, n_tokens)
     if lora is not None and lora.lora_dim:
         from dschat.lora import apply_lora
@@ -305,7 +336,10 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     _quiet_transformers()
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except _load_errors() as e:
+        raise load_failure(path, e) from None
     _apply_dropout(config, dropout)
     config.num_labels = 1
     n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
@@ -321,8 +355,12 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
                                                                          weights_only=True,
                                                                          trust_remote_code=trust_remote_code)
     except ValueError as e:
+        if "trust_remote_code" in str(e) or "sequence" not in str(e).lower():
+            raise load_failure(path, e) from None
         raise UserError(f"{path}: this model family has no sequence-classification head in transformers "
                         f"({str(e).splitlines()[0][:120]})") from None
+    except _load_errors() as e:
+        raise load_failure(path, e) from None
     fit_embeddings(seq_cls, n_tokens)
     model = RewardModel(seq_cls)
     if lora is not None and lora.lora_dim:

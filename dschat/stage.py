@@ -42,24 +42,26 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json.
 
     A finished run (eval.json) or resumable training states are never overwritten silently: ``--resume``
-    continues the states, ``--force`` starts over.
+    continues the states, ``--force`` starts over. The folder is locked for the life of the process (one run per
+    folder) and must be the same folder on every node (``dschat.lock``); rank 0 decides what it holds.
     """
+    from dschat.lock import claim_output_dir
     from dschat.resume import checkpoint_root, latest_state
 
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
-    latest = latest_state(out)
-    if (out / "eval.json").exists() and not run.force and not (run.resume and latest is not None):
+    E.setup_distributed()
+    claim_output_dir(out, lambda text: print(f"[{name}] {text}", file=sys.stderr, flush=True))
+    latest, finished = E.broadcast_object((latest_state(out), (out / "eval.json").exists()) if E.is_main() else None)
+    if finished and not run.force and not (run.resume and latest is not None):
         raise UserError(f"{out} already holds a finished run (eval.json); pass --force to overwrite it, --resume "
                         "to train on from its final state, or choose another --output-dir")
     if latest is not None and not (run.resume or run.force):
         raise UserError(f"{out} holds a resumable training state ({latest}); pass --resume to "
                         "continue it or --force to start over")
-    E.setup_distributed()
     set_seed(run.seed)
     stage = Stage(name, out)
     if E.is_main():
-        out.mkdir(parents=True, exist_ok=True)
         if not (run.resume and latest is not None):  # a fresh start: nothing of an older run stays
             for stale in ("metrics.jsonl", "eval.json"):
                 if (out / stale).exists():
@@ -243,6 +245,20 @@ class Interrupted(UserError):
     """Ctrl-C: the state was saved; exit 130 like any interrupted command."""
 
     exit_code = 130
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        ignore_further_interrupts()
+
+
+def ignore_further_interrupts() -> None:
+    """The process is on its way out: a further Ctrl-C while the interpreter shuts down (joining the TensorBoard
+    writer's thread) would print a stray ``Exception ignored in threading._shutdown`` traceback (issue 11)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

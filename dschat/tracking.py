@@ -55,6 +55,12 @@ class RunTracker:
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:
             return
+        from dschat.diskfull import disk_full_guard
+
+        with disk_full_guard("the metrics log", self.dir / "metrics.jsonl"):
+            self._log(step, metrics, prefix)
+
+    def _log(self, step: int, metrics: dict[str, Any], prefix: str) -> None:
         row: dict[str, Any] = {"step": step, "time": round(time.time() - self.start, 3)}
         for k, v in metrics.items():
             s = _scalar(v)

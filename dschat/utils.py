@@ -37,9 +37,13 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        from dschat.diskfull import disk_full_error, is_disk_full
+
+        if isinstance(e, OSError) and is_disk_full(e):
+            raise disk_full_error("a file", path, "its previous version is kept") from None
         raise
 
 

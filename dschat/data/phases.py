@@ -37,7 +37,7 @@ from dschat.judge import inject_system_prompt, read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import cache_root, stable_hash
 
-CACHE_VERSION = 1  # bump when tokenization logic changes, so old caches are never read
+CACHE_VERSION = 2  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys)
 
 
 @dataclass
@@ -287,23 +287,19 @@ def count_line(phase: int, counts: dict[str, int]) -> str:
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
                log: Any = print) -> PhaseData:
     """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk."""
-    import torch
-
     split = parse_split(data.data_split)
     judge_system = read_system_prompt(data.judge_system_prompt) if data.judge_system_prompt else None
     specs = [DataSpec.parse(d) for d in data.data] if data.data else demo_sources()
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
     key = cache_key(data, phase, tokenizer, seed, specs)
-    cache_file = cache_dir / f"phase{phase}-{key}.pt"
+    # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code (issue 11).
+    cache_file = cache_dir / f"phase{phase}-{key}.json"
     if use_cache and all(source_fingerprint(s) is not None for s in specs) and cache_file.exists():
-        try:
-            blob = torch.load(cache_file, weights_only=False)
+        cached = _read_cache(cache_file)
+        if cached is not None:
             log(f"data: phase {phase} from cache {cache_file}")
-            cached = PhaseData(**blob)
             log(count_line(phase, cached.counts))
             return cached
-        except Exception:  # noqa: BLE001 - a corrupt cache is rebuilt, never trusted
-            pass
     if split[phase - 1] == 0:
         raise UserError(f"--data-split {data.data_split} gives train phase {phase} no rows")
     counts: Counter[str] = Counter()
@@ -332,8 +328,39 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     result = PhaseData(phase, train, evals, dict(counts), sources)
     log(count_line(phase, result.counts))
     if use_cache:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp-{os.getpid()}-{random.getrandbits(32):08x}")
-        torch.save(result.__dict__, tmp)
-        tmp.replace(cache_file)
+        _write_cache(cache_file, result, log)
     return result
+
+
+def _read_cache(path: Path) -> PhaseData | None:
+    """A cached phase, or None when the file is unreadable or not shaped like one (then it is rebuilt)."""
+    import json
+
+    try:
+        blob = json.loads(path.read_text(encoding="utf-8"))
+        cached = PhaseData(**blob)
+        if not (isinstance(cached.train, list) and isinstance(cached.eval, list) and isinstance(cached.counts, dict)
+                and all(isinstance(r, dict) for r in cached.train + cached.eval)):
+            return None
+        return cached
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_cache(path: Path, result: PhaseData, log: Any) -> None:
+    """Write the cache atomically; a full disk only costs the cache (the run goes on without it)."""
+    import json
+
+    from dschat.diskfull import free_bytes, human_bytes, is_disk_full
+
+    tmp = path.with_suffix(f".tmp-{os.getpid()}-{random.getrandbits(32):08x}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(result.__dict__, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not is_disk_full(e, path.parent):
+            raise
+        log(f"data: disk full writing the tokenized cache {path} ({human_bytes(free_bytes(path.parent))} free); "
+            "continuing without it")

@@ -28,14 +28,19 @@ class DataSpec:
     @staticmethod
     def parse(text: str) -> DataSpec:
         m = re.fullmatch(r"(.+?):(\d+(?:\.\d*)?|\.\d+)", text)
+        head, sep, tail = text.rpartition(":")
         if m and not os.path.exists(text):
             name, weight = m.group(1), float(m.group(2))
+        elif sep and head and not os.path.exists(text) and os.path.exists(os.path.expanduser(head)):
+            # An existing file with a weight that is not a number (f:-1, f:abc): the weight is what is wrong.
+            raise UserError(f"--data {text!r}: weight {tail!r} of {head} is not a number >= 0 (path[:weight], "
+                            "e.g. data.jsonl:0.5)")
         else:
             name, weight = text, 1.0
         if not name:
             raise UserError(f"--data {text!r}: empty dataset name")
-        if weight < 0:
-            raise UserError(f"--data {text!r}: weight must be >= 0")
+        if weight == 0:
+            raise UserError(f"--data {text!r}: weight 0 takes no rows from {name}; leave it out or give a weight > 0")
         return DataSpec(name, weight)
 
 
@@ -49,15 +54,41 @@ class RawDataset:
     fingerprint: Any = field(default=None)
 
 
+def _content_hash(path: Path) -> str:
+    """sha256 of the file's bytes: an edit that keeps size and modification time (``touch -r``, ``cp -p``,
+    ``rsync -t``) still changes the cache key (issue 11, item 8)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(4 * 2**20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _file_fingerprint(path: Path) -> list[Any]:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+    return [str(path.resolve()), path.stat().st_size, _content_hash(path)]
+
+
+def _decode(path: Path, data: bytes, lineno: int, first: bool) -> str:
+    """UTF-8 text of one line (or a whole file), a BOM at the start of the file accepted; anything else is a
+    one-line error naming the file and line."""
+    try:
+        return data.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        line = lineno + data.count(b"\n", 0, e.start)
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        binary = b"\0" in data[:4096] or data[:2] == b"\x1f\x8b" or data[:4] in (b"PK\x03\x04", b"PAR1")
+        hint = "; is it a binary or compressed file?" if binary else ""
+        raise UserError(f"{path}:{line}: not valid UTF-8 text (byte 0x{data[e.start]:02x} at column {column})"
+                        f"{hint}") from None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(path, raw, lineno, lineno == 1)
             if not line.strip():
                 continue
             try:
@@ -72,7 +103,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    text = _decode(path, path.read_bytes(), 1, True)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -130,8 +161,7 @@ def _folder_fingerprint(path: Path) -> list[Any]:
     out = []
     for p in sorted(path.rglob("*")):
         if p.is_file():
-            st = p.stat()
-            out.append([str(p.relative_to(path)), st.st_size, st.st_mtime_ns])
+            out.append([str(p.relative_to(path)), p.stat().st_size, _content_hash(p)])
     return [str(path.resolve()), out]
 
 
@@ -189,7 +219,7 @@ def _load_registered(name: str) -> RawDataset:
 
 
 def source_fingerprint(spec: DataSpec) -> Any:
-    """What identifies a source's content cheaply (paths, sizes, mtimes), for the tokenized cache key."""
+    """What identifies a source's content (paths, sizes, content hashes), for the tokenized cache key."""
     path = Path(spec.name).expanduser()
     if path.is_file():
         return _file_fingerprint(path)
