@@ -259,12 +259,41 @@ class RewardMixer:
                     raise ValueError(f"reward source {name!r} is computed by the caller; pass external={{...}}")
                 values = external[name]
             else:
-                values = fn(prompts, completions, **row_fields)
+                values = _call(name, fn, prompts, completions, row_fields)
             per_func[name] = _check_values(name, values, n)
         total = torch.zeros(n)
         for name, w in zip(self.names, self.weights, strict=True):
             total = total + w * per_func[name]
         return MixedRewards(total, per_func)
+
+
+def _call(name: str, fn: RewardFunc, prompts: list[str], completions: list[str],
+          row_fields: dict[str, Any]) -> Any:
+    """``fn`` on the batch; when it raises, one line naming the function, the first row it fails on (found by
+    calling it row by row) and the exception, instead of a traceback from inside the user's file."""
+    try:
+        return fn(prompts, completions, **row_fields)
+    except UserError:
+        raise
+    except Exception as batch_error:  # noqa: BLE001 - the user's code may raise anything
+        failure: tuple[int, BaseException] | None = None
+        for i in range(min(len(completions), 256)):
+            fields = {k: v[i: i + 1] if isinstance(v, list | tuple) else v for k, v in row_fields.items()}
+            try:
+                fn(prompts[i: i + 1], completions[i: i + 1], **fields)
+            except Exception as e:  # noqa: BLE001
+                failure = (i, e)
+                break
+        i, error = failure if failure is not None else (None, batch_error)
+        row = (f"on row {i} of the batch (prompt {_snippet(prompts[i])}, completion {_snippet(completions[i])})"
+               if i is not None else f"on a batch of {len(completions)} completions")
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise UserError(f"reward function {name!r} raised {type(error).__name__}: {first} {row}") from None
+
+
+def _snippet(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return repr(text if len(text) <= n else text[: n - 3] + "...")
 
 
 def _check_values(name: str, values: Any, n: int) -> torch.Tensor:
