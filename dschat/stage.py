@@ -51,6 +51,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
     E.setup_distributed()
+    quiet_interrupts_at_exit()
     claim_output_dir(out, lambda text: print(f"[{name}] {text}", file=sys.stderr, flush=True))
     latest, finished = E.broadcast_object((latest_state(out), (out / "eval.json").exists()) if E.is_main() else None)
     if finished and not run.force and not (run.resume and latest is not None):
@@ -246,19 +247,25 @@ class Interrupted(UserError):
 
     exit_code = 130
 
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        ignore_further_interrupts()
+
+def sigint_unless_exiting(signum: int, frame: Any) -> None:
+    """Python's own Ctrl-C (``KeyboardInterrupt``), except while the interpreter joins threads on its way out:
+    a Ctrl-C there (say a second one after an interrupted run, waiting for the TensorBoard writer's thread)
+    would only print a stray ``Exception ignored in threading._shutdown`` traceback (issue 11)."""
+    import threading
+
+    if not threading.main_thread().is_alive():  # false only once the interpreter has begun shutting down
+        return
+    raise KeyboardInterrupt
 
 
-def ignore_further_interrupts() -> None:
-    """The process is on its way out: a further Ctrl-C while the interpreter shuts down (joining the TensorBoard
-    writer's thread) would print a stray ``Exception ignored in threading._shutdown`` traceback (issue 11)."""
+def quiet_interrupts_at_exit() -> None:
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, sigint_unless_exiting)
 
 
 @contextlib.contextmanager

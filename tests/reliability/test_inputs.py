@@ -184,12 +184,13 @@ def test_a_user_reward_function_that_raises(tmp_path):
     assert spec in text and "ZeroDivisionError" in text and "row 2" in text and "\n" not in text
 
 
-def test_interrupted_ignores_further_ctrl_c():
-    from dschat.stage import Interrupted
+def test_ctrl_c_during_shutdown_is_quiet(monkeypatch):
+    """A second Ctrl-C while the interpreter joins threads on its way out used to print a stray traceback."""
+    import threading
 
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        Interrupted("interrupted: saved x")
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    from dschat.stage import sigint_unless_exiting
+
+    with pytest.raises(KeyboardInterrupt):  # while running: Python's own Ctrl-C
+        sigint_unless_exiting(signal.SIGINT, None)
+    monkeypatch.setattr(threading.main_thread(), "is_alive", lambda: False)
+    sigint_unless_exiting(signal.SIGINT, None)  # shutting down: nothing, no traceback
