@@ -107,6 +107,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             step += 1
             dropped_total += dropped
             metrics["train/dropped_short_answers"] = dropped_total
+            if scorer.retok is not None:
+                metrics["train/reward_truncated"] = scorer.truncated
             for name, value in metrics.items():
                 if name.endswith("loss"):
                     check_finite(value, step, name)

@@ -12,6 +12,7 @@ from dschat.judge import JUDGE, load_judge_reward
 from dschat.losses import end_indices
 from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rlhf.rollout import Rollout, completion_texts, positions_from_mask
+from dschat.usertext import reencode_for_reward
 
 __all__ = ["JUDGE", "RM", "Retokenizer", "Scorer", "build_scorer", "reward_scores", "row_fields", "same_tokenizer"]
 
@@ -27,10 +28,15 @@ def reward_scores(reward_model: Any, rollout: Rollout, retokenize: Any | None = 
 
 
 class Retokenizer:
-    """Decode with the actor's tokenizer and re-encode for a reward model whose tokenizer differs (SPEC 5)."""
+    """Decode with the actor's tokenizer and re-encode for a reward model whose tokenizer differs (SPEC 5).
+
+    Too long for the reward model: the prompt loses its start after BOS, never the BOS or the scored end
+    (``dschat.usertext.reencode_for_reward``); ``truncated`` counts such rows.
+    """
 
     def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_len: int):
         self.src, self.dst, self.max_len = actor_tokenizer, reward_tokenizer, max_len
+        self.truncated = 0
 
     def __call__(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         P = rollout.prompt_len
@@ -38,11 +44,10 @@ class Retokenizer:
         for seq, mask, ended in zip(rollout.sequences, rollout.attention_mask, rollout.reached_eos, strict=True):
             prompt = self.src.decode(seq[:P][mask[:P].bool()], skip_special_tokens=True)
             answer = self.src.decode(seq[P:][mask[P:].bool()], skip_special_tokens=True)
-            ids = self.dst(prompt)["input_ids"] + self.dst(answer, add_special_tokens=False)["input_ids"]
             # As on the same-tokenizer path: only an answer that ended gets the EOS the reward model scores at.
-            if self.dst.eos_token_id is not None and bool(ended):
-                ids = ids + [self.dst.eos_token_id]
-            rows.append(ids[-self.max_len:])
+            ids, cut = reencode_for_reward(prompt, answer, bool(ended), self.dst, self.max_len)
+            self.truncated += cut
+            rows.append(ids)
         ids, mask = pad_sequences(rows, self.dst.pad_token_id, "right")
         return ids.to(rollout.sequences.device), mask.to(rollout.sequences.device)
 
@@ -70,6 +75,11 @@ class Scorer:
     def __init__(self, mixer: RewardMixer, tokenizer: Any, reward_model: Any | None, retok: Retokenizer | None):
         self.mixer, self.tokenizer, self.reward_model, self.retok = mixer, tokenizer, reward_model, retok
         self.needs_text = any(n != RM for n in mixer.names)
+
+    @property
+    def truncated(self) -> int:
+        """Rows cut to fit the reward model after re-tokenization, so far."""
+        return self.retok.truncated if self.retok is not None else 0
 
     def describe(self) -> str:
         return " + ".join(f"{w:g}*{n}" for n, w in zip(self.mixer.names, self.mixer.weights, strict=True))
