@@ -6,8 +6,8 @@
         --reward-funcs format --reward-funcs accuracy --loss-type dapo
     dschat train --step 3 ...        (the same flags)
 
-Reads top to bottom: set up the models, evaluate, loop, evaluate, save. Each step of the loop is one call of the
-chosen algorithm's ``step()`` (``dschat/rlhf/ppo.py``, ``grpo.py``, ...); the parts live in ``dschat.rlhf``.
+Reads top to bottom: set up, evaluate, loop (one ``step()`` of the chosen algorithm per update: ``dschat/rlhf/
+ppo.py``, ``grpo.py``, ...), evaluate, save. The parts live in ``dschat.rlhf`` (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -106,9 +106,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             metrics, dropped = algo.step(stream)
             step += 1
             dropped_total += dropped
-            metrics["train/dropped_short_answers"] = dropped_total
-            if scorer.retok is not None:
-                metrics["train/reward_truncated"] = scorer.truncated
+            metrics.update({"train/dropped_short_answers": dropped_total, **scorer.stats()})
             for name, value in metrics.items():
                 if name.endswith("loss"):
                     check_finite(value, step, name)

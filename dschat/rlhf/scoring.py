@@ -76,10 +76,9 @@ class Scorer:
         self.mixer, self.tokenizer, self.reward_model, self.retok = mixer, tokenizer, reward_model, retok
         self.needs_text = any(n != RM for n in mixer.names)
 
-    @property
-    def truncated(self) -> int:
-        """Rows cut to fit the reward model after re-tokenization, so far."""
-        return self.retok.truncated if self.retok is not None else 0
+    def stats(self) -> dict[str, float]:
+        """Counters to log: rows cut to fit the reward model after re-tokenization, so far."""
+        return {"train/reward_truncated": self.retok.truncated} if self.retok is not None else {}
 
     def describe(self) -> str:
         return " + ".join(f"{w:g}*{n}" for n, w in zip(self.mixer.names, self.mixer.weights, strict=True))
