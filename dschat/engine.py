@@ -272,11 +272,6 @@ def unwrap(model: Any) -> torch.nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
-def zero_stage_of(model: Any) -> int:
-    fn = getattr(model, "zero_optimization_stage", None)
-    return int(fn()) if callable(fn) else 0
-
-
 def is_zero3_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
@@ -313,13 +308,6 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     if is_main():
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     return state
-
-
-def zero3_init_context(config: dict[str, Any]) -> Any:
-    """Keep the returned object alive while loading a model so ``from_pretrained`` partitions it (ZeRO-3)."""
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(config)
 
 
 def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) -> dict[str, torch.Tensor]:

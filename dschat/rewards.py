@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from dschat.errors import UserError
-from dschat.judge import LETTER_OF, TAIL_CHARS, parse_verdict
+from dschat.judge import LETTER_OF, parse_verdict
 from dschat.losses import overlong_penalty
 
 RewardFunc = Callable[..., list[float]]
@@ -40,7 +40,6 @@ RewardFunc = Callable[..., list[float]]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RM = "rm"  # the reward model's end score, computed by stage 3
-JUDGE_TAIL_CHARS = TAIL_CHARS  # RM-R1 reads the verdict from the end of the judge's completion only
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
