@@ -9,7 +9,8 @@ A judge reads a user message holding a question and two answers between markers,
   to balance a judge file's winners (a judge trained on a skewed file learns the position, not the answer);
 - ``generate_completions`` / ``judge_prompts``: left-padded batched generation with k samples per prompt and a
   majority vote (``dschat eval --judge``, ``dschat judge``);
-- ``JudgeReward``: a trained judge as a GRPO reward source (reward function ``judge``), asked in both orders.
+- ``JudgeReward``: a trained judge as a stage-3 reward source (reward function ``judge``, for GRPO and PPO
+  alike), asked in both orders.
 
 Importing it is cheap: torch and transformers are imported inside the functions that need them.
 """

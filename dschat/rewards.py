@@ -1,4 +1,6 @@
-"""Reward sources of the GRPO family (SPEC 6): rule functions by name, user functions from a file, and the mixer.
+"""Reward sources of stage 3 (SPEC 6): rule functions by name, user functions from a file, and the mixer.
+
+GRPO and PPO both take them (``--reward-funcs``); PPO's default is the reward model alone.
 
 A reward function scores a batch of completions::
 
@@ -211,7 +213,7 @@ def get_reward_func(name: str, max_completion_length: int = 256, overlong_buffer
     if is_user_function(name):
         return load_user_function(name)
     if name == "judge":  # a model, not a rule: dschat.judge.load_judge_reward builds it from --judge-model
-        raise UserError("reward function 'judge' needs a trained judge: pass --judge-model (stage 3, --algo grpo)")
+        raise UserError("reward function 'judge' needs a trained judge: pass --judge-model (stage 3)")
     raise UserError(f"unknown reward function {name!r}; use one of {', '.join(NAMES)} or path/to/file.py:function")
 
 
