@@ -17,6 +17,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
 
@@ -270,6 +271,12 @@ def build_eval_engine(model: torch.nn.Module, *, zero_stage: int, offload: bool,
 def unwrap(model: Any) -> torch.nn.Module:
     """The plain module inside an engine (or the module itself)."""
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+
+
+def is_hybrid_engine(model: Any) -> bool:
+    """Whether ``model`` is DeepSpeed's hybrid engine (``build_train_engine(hybrid_engine=...)`` on a setup that
+    supports it); DeepSpeed builds a plain engine instead where it cannot."""
+    return isinstance(model, DeepSpeedHybridEngine)
 
 
 def is_zero3_partitioned(module: torch.nn.Module) -> bool:

@@ -72,12 +72,11 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
 
-    from torch.utils.data import DataLoader
-
     from dschat import engine as E
     from dschat.data import DataCollatorReward
     from dschat.models import create_reward_model, load_tokenizer
     from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, load_all_pairs
+    from dschat.stage import eval_loader
     from dschat.utils import write_json
 
     path = _reward_model_dir(model)
@@ -99,7 +98,7 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
                              trust_remote_code=trust_remote_code)
     rm.to(E.device())
     pad = tokenizer.pad_token_id
-    loader = DataLoader(pairs.train, batch_size=batch_size, shuffle=False, collate_fn=DataCollatorReward(pad))
+    loader = eval_loader(pairs.train, batch_size, DataCollatorReward(pad))
     result = evaluate_reward(rm, loader)
 
     metrics = {"model": path, "data": list(data_), "accuracy": result.accuracy,

@@ -97,7 +97,7 @@ def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool) -> HybridEng
     use = False
     if requested:
         ok, why = deepspeed_hybrid_supported(E.unwrap(actor))
-        use = ok and type(actor).__name__ == "DeepSpeedHybridEngine"
+        use = ok and E.is_hybrid_engine(actor)
         if not use and E.is_main():
             print(f"[hybrid engine] {why or 'actor engine was not built as a hybrid engine'}; "
                   "using eval-mode KV-cache generation with one ZeRO-3 gather per call", file=sys.stderr)

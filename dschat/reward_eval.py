@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
 from dschat.models import RewardModel
-from dschat.stage import lockstep_batches, to_device
+from dschat.stage import EvalLoader, lockstep_batches, to_device
 
 
 @dataclass
@@ -73,8 +72,9 @@ def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return {k: batch[k][:b] for k in keys}, {k: batch[k][b:] for k in keys}
 
 
-def evaluate_reward(model: Any, loader: DataLoader) -> RewardEval:
-    """Score every pair of ``loader`` (this rank's shard, batches from ``DataCollatorReward``), summed over ranks.
+def evaluate_reward(model: Any, loader: EvalLoader) -> RewardEval:
+    """Score every pair of ``loader`` (``eval_loader``: this rank's shard, batches from ``DataCollatorReward``),
+    summed over ranks.
 
     Under ZeRO-3 every forward is a collective (each layer's parameters are gathered from all ranks), so the
     ranks run in lockstep (``lockstep_batches``); otherwise uneven shards would hang the gathers.

@@ -93,18 +93,33 @@ def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> 
                       generator=torch.Generator().manual_seed(seed))
 
 
-def eval_loader(rows: list[Any], batch_size: int, collator: Any) -> DataLoader:
+@dataclass
+class EvalLoader:
+    """This rank's shard of the evaluation rows as batches, plus ``filler``: a batch of real rows to run (and
+    discard) while this rank waits for longer shards elsewhere (``lockstep_batches``). Iterates and has a length
+    like the loader it holds."""
+
+    loader: DataLoader
+    filler: Any | None  # a collated batch of one row; None when there are no rows at all
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def eval_loader(rows: list[Any], batch_size: int, collator: Any) -> EvalLoader:
     """Each rank evaluates a disjoint strided shard, without padding duplicates: sums over ranks are exact.
 
     Iterate it with ``lockstep_batches``: shards can differ by a batch, and ZeRO-3 forwards are collective.
     """
     shard = rows[E.rank():: E.world_size()]
     loader = DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collator)
-    loader.filler = collator(rows[:1]) if rows else None  # type: ignore[attr-defined]
-    return loader
+    return EvalLoader(loader, collator(rows[:1]) if rows else None)
 
 
-def lockstep_batches(loader: DataLoader) -> Iterator[tuple[Any, bool]]:
+def lockstep_batches(loader: EvalLoader) -> Iterator[tuple[Any, bool]]:
     """``(batch, real)``: every rank yields as many batches as the longest shard. Under ZeRO-3 each forward (and
     each parameter gather around ``generate``) is a collective, so a rank that ran out of batches must keep
     running throw-away ones (``real`` False, results discarded) or the others would hang."""
@@ -114,11 +129,10 @@ def lockstep_batches(loader: DataLoader) -> Iterator[tuple[Any, bool]]:
         n = int(E.all_reduce_max(torch.tensor(n_local)).item())
     for batch in loader:
         yield batch, True
-    filler = getattr(loader, "filler", None)
     for _ in range(n - n_local):
-        if filler is None:
+        if loader.filler is None:
             raise RuntimeError("an empty evaluation shard has no batch to keep in step with")
-        yield filler, False
+        yield loader.filler, False
 
 
 def plan_steps(batches_per_epoch: int, optim: OptimArgs) -> tuple[int, int]:

@@ -35,6 +35,18 @@ def test_ds_config_shapes():
     assert "optimizer" not in frozen
 
 
+def test_hybrid_engine_is_recognised_by_its_class_not_its_name():
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    class Subclass(DeepSpeedHybridEngine):
+        pass
+
+    assert E.is_hybrid_engine(DeepSpeedHybridEngine.__new__(DeepSpeedHybridEngine))
+    assert E.is_hybrid_engine(Subclass.__new__(Subclass))  # a class-name comparison missed this one
+    lookalike = type("DeepSpeedHybridEngine", (), {})()
+    assert not E.is_hybrid_engine(lookalike) and not E.is_hybrid_engine(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_train_engine_steps_and_full_state_dict(stage):
     from transformers import LlamaForCausalLM
@@ -58,6 +70,7 @@ def test_train_engine_steps_and_full_state_dict(stage):
     changed = [k for k in before if k in state and not torch.equal(before[k], state[k])]
     assert len(changed) >= len(before) - 2  # every weight moved (rotary buffers aside)
     assert all(math.isfinite(v.float().sum().item()) for v in state.values())
+    assert not E.is_hybrid_engine(eng) and not E.is_hybrid_engine(E.unwrap(eng))
     with E.gathered_parameters(E.unwrap(eng)):
         out = E.unwrap(eng).generate(x[:, :3], attention_mask=torch.ones_like(x[:, :3]), max_new_tokens=4,
                                      do_sample=False)

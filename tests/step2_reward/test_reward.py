@@ -12,7 +12,7 @@ from dschat.config import OptimArgs, RewardConfig, build_config
 from dschat.data import DataCollatorReward
 from dschat.demo import generate_pairwise
 from dschat.demo.corpus import prompt_question
-from dschat.stage import DEFAULT_LR, TINY_LR, learning_rate
+from dschat.stage import DEFAULT_LR, TINY_LR, eval_loader, learning_rate
 from tests.helpers import read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run
 
@@ -85,8 +85,7 @@ def test_evaluate_reward_hand_worked():
         {"chosen_input_ids": [9, 8, 4], "rejected_input_ids": [9, 4]},
         {"chosen_input_ids": [9, 2], "rejected_input_ids": [9, 6]},
     ]
-    loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=DataCollatorReward(0))
-    ev = evaluate_reward(IdValues(), loader)
+    ev = evaluate_reward(IdValues(), eval_loader(rows, 2, DataCollatorReward(0)))
     assert ev.accuracy == pytest.approx((1 + 0.5 + 0) / 3)  # ties count half
     assert ev.ties == 1 and ev.pairs == 3
     assert ev.chosen_score == pytest.approx((5 + 4 + 2) / 3)
@@ -229,8 +228,7 @@ def test_two_ranks_zero3_exact_eval_with_uneven_shards(tmp_path):
     tok = load_tokenizer(str(out / "model"))
     rows = load_phase(DataArgs(max_eval_rows=9), 2, tok, 1234, log=lambda _: None).eval
     rm = create_reward_model(str(out / "model"), pad_token_id=tok.pad_token_id)
-    single = evaluate_reward(rm, torch.utils.data.DataLoader(rows, batch_size=4, collate_fn=DataCollatorReward(
-        tok.pad_token_id)))
+    single = evaluate_reward(rm, eval_loader(rows, 4, DataCollatorReward(tok.pad_token_id)))
     assert single.pairs == 9
     for key in ("accuracy", "chosen_score", "rejected_score", "margin"):
         assert ev[key] == pytest.approx(getattr(single, key), abs=1e-4), key
