@@ -343,17 +343,6 @@ def judge_metrics(verdicts: Sequence[str | None], winners: Sequence[str]) -> dic
     }
 
 
-def paired_gain_se(before: Sequence[int], after: Sequence[int]) -> float | None:
-    """Standard error of the accuracy gain when both judges answered the same rows (paired differences)."""
-    n = len(before)
-    if n < 2 or len(after) != n:
-        return None
-    diffs = [a - b for a, b in zip(after, before, strict=True)]
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
-    return math.sqrt(var / n)
-
-
 # ------------------------------------------------------------------------------------------ loading a judge
 def load_judge(model: str, dtype: str = "auto", device: Any = None, trust_remote_code: bool = False) -> tuple[
         Any, Any, int | None]:

@@ -9,6 +9,7 @@ Each stage runs in its own process (``dschat train --step N``), so memory is ret
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -154,10 +155,11 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
                 report[f"judge_{key}_{when}"] = m.get(key)
         b, a = evals["before"], evals["after"]
         if b.get("accuracy") is not None and a.get("accuracy") is not None:
-            from dschat.judge import paired_gain_se
+            from dschat.stats import paired_se  # torch: imported only when there is a report to write
 
             report["judge_accuracy_gain"] = a["accuracy"] - b["accuracy"]
-            report["judge_accuracy_gain_se"] = paired_gain_se(b["correct"], a["correct"])
+            se = paired_se(b["correct"], a["correct"]) if len(b["correct"]) == len(a["correct"]) else math.nan
+            report["judge_accuracy_gain_se"] = None if math.isnan(se) else se
         return {**report, "seconds": timings}
     if "grpo" in names:
         sft, rl = load(GRPO_SFT_FOLDER), load(FOLDERS["grpo"])
