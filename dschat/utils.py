@@ -9,9 +9,11 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from dschat.diskfull import disk_full_error, is_disk_full
 
 
 def cache_root() -> Path:
@@ -26,29 +28,61 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a file so readers see the old content or the new one, never a half-written file."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write; on success it replaces ``path`` in one rename.
+
+    Readers (and concurrent writers of the same content) see the old file or the new one, never a half-written
+    one; a failure inside the block removes the temporary file and leaves ``path`` as it was (a full disk becomes
+    one ``DiskFull`` line). The file gets mode 0644 (``mkstemp`` creates 0600) and is flushed to disk before the
+    rename.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error("a file", path, "its previous version is kept") from None
+        raise
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        from dschat.diskfull import disk_full_error, is_disk_full
-
+        tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and is_disk_full(e):
             raise disk_full_error("a file", path, "its previous version is kept") from None
         raise
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (``atomic_file``); returns ``path``."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """UTF-8 ``text`` written atomically, byte for byte (no newline translation)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
 def write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    """UTF-8 JSON Lines with ``ensure_ascii=False`` and ``\\n`` line ends, so the bytes depend only on the rows;
+    written atomically. Returns ``path``."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 @contextlib.contextmanager

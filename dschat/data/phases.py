@@ -12,7 +12,7 @@ shapes it, so a changed file, split, seed, tokenizer or length never reuses a st
 
 from __future__ import annotations
 
-import os
+import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,10 +32,11 @@ from dschat.data.formats import (
     render_prompt,
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
+from dschat.diskfull import DiskFull, free_bytes, human_bytes
 from dschat.errors import UserError
 from dschat.judge import inject_system_prompt, read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
-from dschat.utils import cache_root, stable_hash
+from dschat.utils import atomic_write_text, cache_root, stable_hash
 
 CACHE_VERSION = 2  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys)
 
@@ -334,8 +335,6 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
 
 def _read_cache(path: Path) -> PhaseData | None:
     """A cached phase, or None when the file is unreadable or not shaped like one (then it is rebuilt)."""
-    import json
-
     try:
         blob = json.loads(path.read_text(encoding="utf-8"))
         cached = PhaseData(**blob)
@@ -349,18 +348,8 @@ def _read_cache(path: Path) -> PhaseData | None:
 
 def _write_cache(path: Path, result: PhaseData, log: Any) -> None:
     """Write the cache atomically; a full disk only costs the cache (the run goes on without it)."""
-    import json
-
-    from dschat.diskfull import free_bytes, human_bytes, is_disk_full
-
-    tmp = path.with_suffix(f".tmp-{os.getpid()}-{random.getrandbits(32):08x}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(result.__dict__, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if not is_disk_full(e, path.parent):
-            raise
+        atomic_write_text(path, json.dumps(result.__dict__, ensure_ascii=False, separators=(",", ":")))
+    except DiskFull:
         log(f"data: disk full writing the tokenized cache {path} ({human_bytes(free_bytes(path.parent))} free); "
             "continuing without it")

@@ -23,13 +23,12 @@ transformers).
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dschat.utils import write_jsonl
 
 HUMAN_PREFIX = "\n\nHuman: "
 ASSISTANT_SUFFIX = "\n\nAssistant:"
@@ -1003,27 +1002,6 @@ def generate_judge_cold_start(
 # --------------------------------------------------------------------------------------------------------------
 # Files and tokenizer text
 # --------------------------------------------------------------------------------------------------------------
-
-
-def write_jsonl(rows: Sequence[dict[str, object]], path: str | Path) -> Path:
-    """UTF-8 JSON Lines with ``ensure_ascii=False`` and ``\\n`` line ends, so the bytes depend only on rows.
-
-    Written to a temporary file and renamed, so a reader (or a concurrent writer of the same rows) never sees a
-    half-written file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_demo_files(

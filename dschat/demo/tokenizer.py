@@ -35,14 +35,13 @@ sentencepiece and transformers are imported inside the functions, so importing t
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dschat.demo.corpus import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, tokenizer_training_text
+from dschat.utils import atomic_write_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,19 +126,7 @@ def build_tokenizer_model(
 
     The write is atomic (temporary file + rename). The default path is the shipped asset.
     """
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = build_tokenizer_model_bytes(vocab_size, seed)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return atomic_write_bytes(out_path, build_tokenizer_model_bytes(vocab_size, seed))
 
 
 def load_tiny_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
