@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import click
 
 from dschat.cli import main
+from dschat.devices import DTYPES, pick_device, resolve_dtype
 from dschat.errors import UserError
 
 Messages = list[dict[str, str]]
@@ -32,7 +33,6 @@ USER_PROMPT = "user> "
 ASSISTANT_PREFIX = "assistant> "
 # Config fields that hold the longest sequence a model was built for, by family (Llama/OPT/Qwen, GPT-2, ...).
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 STOP_WINDOW_TOKENS = 32
 
 
@@ -48,35 +48,6 @@ def chat_model_dir(model: str) -> str:
             if (path / sub / "config.json").exists():
                 return str(path / sub)
     return resolve_model(model)
-
-
-def pick_device(name: str) -> Any:
-    """``auto``: the current CUDA device when there is one, else the CPU; anything else is checked."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r}: not a device (try cpu, cuda or cuda:1)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {name}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return dev
-
-
-def pick_dtype(name: str, device: Any) -> Any:
-    """``auto``: fp32 on CPU (half-precision matmuls there are slow or missing); bf16 on CUDA, fp16 before Ampere."""
-    import torch
-
-    if name != "auto":
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 
 
 def max_positions(config: Any, tokenizer: Any) -> int | None:
@@ -359,7 +330,7 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
     def log(text: str) -> None:
         click.echo(text, err=True)
 
-    torch_dtype = pick_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(dtype, dev)
     if torch_dtype == torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU does not support bfloat16; use fp16")
     tokenizer = load_tokenizer(path, trust_remote_code)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
+from dschat.devices import resolve_dtype as resolve_dtype  # re-exported: the stages call E.resolve_dtype(name)
 
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
@@ -120,16 +121,6 @@ def main_process_first() -> Iterator[None]:
     yield
     if first:
         barrier()
-
-
-# ---------------------------------------------------------------------------------------------- precision
-def resolve_dtype(name: str) -> torch.dtype:
-    """``auto`` is fp32 on CPU (no fast half-precision kernels there) and bf16, else fp16, on CUDA."""
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 # ------------------------------------------------------------------------------------------------ configs

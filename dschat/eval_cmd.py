@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from dschat.cli import main
+from dschat.devices import DTYPES, resolve_dtype
 from dschat.errors import UserError
 from dschat.judge import SamplingArgs
 from dschat.judge_cmd import evaluate_judge_files, print_judge_metrics, sampling_options
@@ -43,7 +44,7 @@ def _reward_model_dir(model: str) -> str:
               help="Longer pairs are dropped and counted.")
 @click.option("--batch-size", "--batch_size", "batch_size", type=int, default=16, show_default=True,
               help="Pairs per forward pass.")
-@click.option("--dtype", type=click.Choice(("auto", "fp32", "bf16", "fp16")), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="auto = fp32 on CPU, bf16 (else fp16) on CUDA.")
 @click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
 @sampling_options
@@ -94,7 +95,7 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
 
     tokenizer = load_tokenizer(path, trust_remote_code)
     pairs = load_all_pairs(list(data_), tokenizer, max_seq_len, log=log)
-    rm = create_reward_model(path, E.resolve_dtype(dtype), pad_token_id=tokenizer.pad_token_id,
+    rm = create_reward_model(path, resolve_dtype(dtype, E.device()), pad_token_id=tokenizer.pad_token_id,
                              trust_remote_code=trust_remote_code)
     rm.to(E.device())
     pad = tokenizer.pad_token_id

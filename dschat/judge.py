@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dschat.devices import pick_device, resolve_dtype
 from dschat.errors import UserError
 
 Messages = list[dict[str, str]]
@@ -349,14 +350,14 @@ def load_judge(model: str, dtype: str = "auto", device: Any = None, trust_remote
     """A judge as a plain HF causal LM in eval mode on ``device`` (default: CUDA when there is one), its
     tokenizer, and the longest sequence it takes (None when its config does not say). A stage output folder
     stands for its ``actor/`` or ``model/``."""
-    from dschat.chat import chat_model_dir, max_positions, pick_device, pick_dtype
+    from dschat.chat import chat_model_dir, max_positions
     from dschat.models import create_causal_lm, load_tokenizer
 
     path = chat_model_dir(model)
     dev = device if device is not None else pick_device("auto")
     tokenizer = load_tokenizer(path, trust_remote_code)
     try:
-        lm = create_causal_lm(path, pick_dtype(dtype, dev), trust_remote_code=trust_remote_code)
+        lm = create_causal_lm(path, resolve_dtype(dtype, dev), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot load a causal LM judge ({str(e).strip().splitlines()[0][:200]})") from None
     lm.to(dev).eval()

@@ -16,10 +16,9 @@ from typing import Any
 import click
 
 from dschat.cli import main
+from dschat.devices import DTYPES
 from dschat.errors import UserError
 from dschat.judge import SamplingArgs
-
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def sampling_options(fn: Any) -> Any:

@@ -15,8 +15,8 @@ from dschat.chat import (
     fit_messages,
     held_back,
     interactive,
-    pick_device,
 )
+from dschat.devices import pick_device
 from dschat.errors import UserError
 from tests.helpers import ROOT, run_cli
 
