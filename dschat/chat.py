@@ -8,57 +8,28 @@ stages train with: the tokenizer's chat template when it has one, else the plain
 format. A plain-format model may go on to write the next ``\\n\\nHuman:`` turn itself; generation stops there and
 that text is never shown. When the conversation outgrows the model's positions the oldest turns are dropped.
 
-Only transformers is used (no DeepSpeed engine): one process, one device. Imported by ``dschat.cli.cli``; torch
-and transformers are imported when the command runs.
+Only transformers is used (no DeepSpeed engine): one process, one device. Registered on the ``dschat`` group by
+``dschat.cli``; torch and transformers are imported when the command runs (``dschat --help`` stays fast).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TextIO
 
 import click
 
-from dschat.cli import main
 from dschat.devices import DTYPES, pick_device, resolve_dtype
 from dschat.errors import UserError
-
-Messages = list[dict[str, str]]
+from dschat.prompts import Messages
 
 CLEAR_WORDS = ("clear", "/clear")
 QUIT_WORDS = ("quit", "exit", "/quit", "/exit")
 USER_PROMPT = "user> "
 ASSISTANT_PREFIX = "assistant> "
-# Config fields that hold the longest sequence a model was built for, by family (Llama/OPT/Qwen, GPT-2, ...).
-POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 STOP_WINDOW_TOKENS = 32
-
-
-# ------------------------------------------------------------------------------------------- model and device
-def chat_model_dir(model: str) -> str:
-    """``--model`` as a local folder. A stage output folder stands for the model inside it (``actor/`` of a
-    stage-3 run, ``model/`` of a stage-1 run), so ``--model output/step3_rlhf`` works."""
-    from dschat.models import resolve_model
-
-    path = Path(model).expanduser()
-    if path.is_dir() and not (path / "config.json").exists():
-        for sub in ("actor", "model"):
-            if (path / sub / "config.json").exists():
-                return str(path / sub)
-    return resolve_model(model)
-
-
-def max_positions(config: Any, tokenizer: Any) -> int | None:
-    """The longest sequence (prompt + answer) the model takes, or None when neither config nor tokenizer says."""
-    for name in POSITION_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    # Tokenizers without a limit report a huge sentinel (int(1e30)); that is not a limit.
-    return value if isinstance(value, int) and 0 < value < 1_000_000 else None
 
 
 # ------------------------------------------------------------------------------------------ prompt building
@@ -68,7 +39,7 @@ def encode_prompt(messages: Messages, tokenizer: Any) -> list[int]:
     Special tokens are added as the stages add them (a leading BOS), unless the chat template already wrote
     the BOS text itself: a doubled BOS is a sequence the model never saw.
     """
-    from dschat.data.formats import render_prompt
+    from dschat.data.formats import render_prompt  # torch: see the module docstring
     from dschat.usertext import encode_one, prompt_parts
 
     text = render_prompt(messages, tokenizer)
@@ -110,7 +81,7 @@ def fit_messages(messages: Messages, tokenizer: Any, budget: int | None) -> tupl
 def stop_strings(tokenizer: Any) -> list[str]:
     """Text that ends an answer besides EOS: the plain format's next turn markers (a chat template ends turns
     with its own special tokens, which generation already stops at)."""
-    from dschat.data.formats import ASSISTANT, HUMAN, has_chat_template
+    from dschat.data.formats import ASSISTANT, HUMAN, has_chat_template  # torch: see the module docstring
 
     return [] if has_chat_template(tokenizer) else [HUMAN, ASSISTANT]
 
@@ -190,6 +161,8 @@ class Chatbot:
     def __init__(self, model: Any, tokenizer: Any, device: Any, *, max_new_tokens: int, greedy: bool,
                  temperature: float, top_p: float, top_k: int, repetition_penalty: float,
                  log: Callable[[str], None]):
+        from dschat.models import max_positions  # torch: see the module docstring
+
         self.model, self.tokenizer, self.device, self.log = model, tokenizer, device, log
         self.max_new_tokens = max_new_tokens
         self.stops = stop_strings(tokenizer)
@@ -202,8 +175,6 @@ class Chatbot:
 
     def _generation_config(self, greedy: bool, temperature: float, top_p: float, top_k: int,
                            repetition_penalty: float) -> Any:
-        import copy
-
         from transformers import GenerationConfig
 
         # Start from the model's own config: it may list several EOS ids (end of turn and end of text).
@@ -287,7 +258,7 @@ def interactive(bot: Chatbot, system: str | None, out: TextIO, banner: str) -> N
         messages = kept + [{"role": "assistant", "content": answer}]
 
 
-@main.command("chat")
+@click.command("chat")
 @click.option("--model", required=True,
               help="Model: a folder (a stage output folder stands for its actor/ or model/), an HF id in the "
                    "cache, an alias or the preset 'tiny'.")
@@ -317,13 +288,14 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
     """Chat with a model: interactively, or one answer with --prompt (clear resets, quit/exit/Ctrl-D ends)."""
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty")
-    path = chat_model_dir(model)
-    dev = pick_device(device)
-
+    # torch and transformers: see the module docstring
     import torch
     import transformers
 
-    from dschat.models import create_causal_lm, load_tokenizer
+    from dschat.models import create_causal_lm, load_tokenizer, resolve_saved_model
+
+    path = resolve_saved_model(model)
+    dev = pick_device(device)
 
     transformers.utils.logging.disable_progress_bar()  # keep the terminal for the conversation
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from dschat import engine as E
 from dschat.diskfull import DiskFull, disk_full_error, is_disk_full
-from dschat.models import hf_model
+from dschat.lora import ADAPTER_DIR, adapter_state_dict, lora_args_of, merged_state_dict, save_adapter_folder
+from dschat.reward_model import hf_model
 from dschat.utils import atomic_dir
 
 
@@ -23,8 +24,6 @@ def save_hf(model: Any, tokenizer: Any, out_dir: str | Path, config_updates: dic
     transformers loads it without peft. ``save_adapter`` (None: the model's ``LoraArgs.save_adapter``) also
     writes the unmerged PEFT adapter to ``out_dir/adapter/`` (``dschat.lora.ADAPTER_DIR``).
     """
-    from dschat.lora import ADAPTER_DIR, adapter_state_dict, lora_args_of, merged_state_dict, save_adapter_folder
-
     module = E.unwrap(model)
     failed = False
     state = state_dict if state_dict is not None else E.full_state_dict(module)

@@ -115,7 +115,33 @@ def launcher_argv(script: str, args: list[str], num_gpus: int | None, hostfile: 
     return cmd + [script] + args
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+# The subcommands beyond `train`, each defined in its own module (which never imports this one): name ->
+# "module:attribute". A module is imported when its command is used (or listed by --help), so `dschat train` and
+# `import dschat.cli` do not pay for the others.
+COMMANDS = {
+    "chat": "dschat.chat:chat_command",
+    "data": "dschat.commands:data",
+    "eval": "dschat.eval_cmd:eval_command",
+    "export": "dschat.export:export",
+    "judge": "dschat.judge_cmd:judge_command",
+    "pipeline": "dschat.pipeline:pipeline",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group that adds the commands of ``COMMANDS`` (``main.add_command``) when first asked for them."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, attr = COMMANDS[cmd_name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="dschat")
 def main() -> None:
     """dschat: a three-stage RLHF pipeline (SFT -> reward model -> PPO/GRPO) on DeepSpeed."""
@@ -151,6 +177,4 @@ def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_p
 
 def cli() -> None:
     """Console-script entry point."""
-    from dschat import chat, commands, export, pipeline  # noqa: F401 - register the subcommands on `main`
-
     run_command(main)

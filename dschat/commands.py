@@ -1,20 +1,23 @@
-"""Subcommands beyond ``train``: ``data inspect``, ``eval``, ``pipeline``, ...
+"""``dschat data``: ``data inspect`` (a train phase as the stages see it) and ``data balance`` (judge files).
 
-Imported lazily by ``dschat.cli.cli`` so that ``import dschat.cli`` stays cheap.
+Registered on the ``dschat`` group by ``dschat.cli``; torch and transformers are imported when a command runs.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
 
-from dschat.cli import main
 from dschat.config import DataArgs
+from dschat.demo import demo_data
 from dschat.errors import UserError
+from dschat.judge import balance_rows
+from dschat.utils import write_jsonl
 
 
-@main.group()
+@click.group()
 def data() -> None:
     """Inspect datasets as the stages will see them."""
 
@@ -33,13 +36,14 @@ def data() -> None:
 def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str, max_seq_len: int,
                  max_prompt_seq_len: int, seed: int, num_samples: int) -> None:
     """Print decoded samples of a train phase with their token ids and masks, and the drop counts."""
+    # torch and transformers: see the module docstring
     from dschat.data import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, load_phase
     from dschat.models import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(model))
     args = DataArgs(data=list(data_), data_split=data_split, max_seq_len=max_seq_len,
                     max_prompt_seq_len=max_prompt_seq_len)
-    pd = load_phase(args, phase, tok, seed, log=lambda s: click.echo(s, err=True))
+    pd = load_phase(args, phase, tok, seed, log=lambda s: click.echo(s, err=True), default_data=demo_data)
     for src in pd.sources:
         click.echo(f"source {src['name']}: format {src['format']}, {src['rows']} rows, "
                    f"{src['train_rows']} phase-{phase} train rows")
@@ -84,11 +88,7 @@ def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str
 def data_balance(data_: str, output: str, seed: int, skip_unparseable: bool) -> None:
     """Balance a judge file's winners: swap answers A and B and flip the winner in a seeded subset of rows, so
     that half the rows (floor/ceil) have each winner. A judge trained on a skewed file learns the position."""
-    from pathlib import Path
-
-    from dschat.data.sources import WHERE, DataSpec, load_source
-    from dschat.demo.corpus import write_jsonl
-    from dschat.judge import balance_rows
+    from dschat.data.sources import WHERE, DataSpec, load_source  # torch (dschat.data): see the module docstring
 
     if Path(output).expanduser().resolve() == Path(data_).expanduser().resolve():
         raise UserError("--output must differ from --data (the input is read while the output is written)")
@@ -110,6 +110,3 @@ def data_balance(data_: str, output: str, seed: int, skip_unparseable: bool) -> 
     click.echo(f"after:  {counts(report.after)}")
     click.echo(f"swapped: {report.swapped}")
     click.echo(f"wrote {output}", err=True)
-
-
-from dschat import eval_cmd, judge_cmd  # noqa: E402, F401 - register `dschat eval` and `dschat judge` on `main`

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -21,6 +22,7 @@ from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
 from dschat.devices import resolve_dtype as resolve_dtype  # re-exported: the stages call E.resolve_dtype(name)
+from dschat.errors import UserError
 
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
@@ -129,8 +131,6 @@ def ds_config(*, micro_batch: int, grad_accum: int, zero_stage: int, offload: bo
               inference: bool = False) -> dict[str, Any]:
     """A DeepSpeed config for one model. ``inference`` builds a frozen (eval-only) engine: no optimizer."""
     if zero_stage not in (0, 1, 2, 3):
-        from dschat.errors import UserError
-
         raise UserError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage}")
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage == 3:
@@ -315,8 +315,6 @@ def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) 
     process group, so it runs on any machine (e.g. a CPU box exporting a GPU run). DeepSpeed's merger unpickles
     the optimizer files: check the state's manifest first (``dschat.integrity.verify_state``).
     """
-    from pathlib import Path
-
     folder = Path(engine_dir) / tag
     if any(folder.glob("*optim_states.pt")) and any(folder.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -325,8 +323,6 @@ def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) 
         return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     files = sorted(folder.glob("mp_rank_*_model_states.pt"))
     if not files:
-        from dschat.errors import UserError
-
         raise UserError(f"{folder}: no DeepSpeed model states found")
     from dschat.integrity import load_tensors
 

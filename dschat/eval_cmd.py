@@ -3,33 +3,22 @@
 ``--step 2`` evaluates a reward model (a stage-2 output, or any HF sequence-classification folder with one
 label) on every row of pairwise files, with the same scoring loop stage 2 uses (``dschat.reward_eval``).
 ``--judge`` evaluates a generative judge (RM-R1) on every row of judge-pairwise files (``dschat.judge_cmd``).
-Imported by ``dschat.commands``; heavy imports (torch, deepspeed, transformers) wait until the command runs.
+Registered on the ``dschat`` group by ``dschat.cli``; heavy imports (torch, deepspeed, transformers) wait until
+the command runs.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from dschat.cli import main
 from dschat.devices import DTYPES, resolve_dtype
 from dschat.errors import UserError
 from dschat.judge import SamplingArgs
 from dschat.judge_cmd import evaluate_judge_files, print_judge_metrics, sampling_options
+from dschat.utils import write_json
 
 
-def _reward_model_dir(model: str) -> str:
-    """``--model`` as a local folder; a stage-2 output folder stands for its ``model/``."""
-    from dschat.models import resolve_model
-
-    path = Path(model).expanduser()
-    if path.is_dir() and not (path / "config.json").exists() and (path / "model" / "config.json").exists():
-        return str(path / "model")
-    return resolve_model(model)
-
-
-@main.command("eval")
+@click.command("eval")
 @click.option("--step", type=click.IntRange(1, 3), default=2, show_default=True,
               help="What to evaluate: 2 = a reward model on pairwise data.")
 @click.option("--judge", is_flag=True, help="Evaluate a generative judge (RM-R1) on judge-pairwise rows instead: "
@@ -57,8 +46,6 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
     """Evaluate a saved model: dschat eval --step 2 --model DIR --data pairs.jsonl [--output metrics.json], or a
     judge: dschat eval --judge --model DIR --data judge.jsonl [--votes k]."""
     if judge:
-        from dschat.utils import write_json
-
         s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p,
                          batch_size=batch_size, seed=seed)
         metrics = evaluate_judge_files(model, list(data_), s, judge_system_prompt, dtype, trust_remote_code,
@@ -73,14 +60,14 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
 
+    # torch, deepspeed and transformers: imported when the command runs (see the module docstring)
     from dschat import engine as E
     from dschat.data import DataCollatorReward
-    from dschat.models import create_reward_model, load_tokenizer
+    from dschat.models import create_reward_model, load_tokenizer, resolve_saved_model
     from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, load_all_pairs
     from dschat.stage import eval_loader
-    from dschat.utils import write_json
 
-    path = _reward_model_dir(model)
+    path = resolve_saved_model(model, inside=("model",))  # a stage-2 output folder stands for its model/
     if not is_reward_checkpoint(path, trust_remote_code):
         raise UserError(f"{path}: not a reward model (its config names no *ForSequenceClassification "
                         "architecture); a causal LM would be scored by a random head")

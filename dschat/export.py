@@ -2,7 +2,8 @@
 
 The state's DeepSpeed shards are merged offline (no process group, no GPU), the module that trained is rebuilt
 from the config saved beside them (with its LoRA adapters, if any), and ``save_hf`` writes it merged, with
-safetensors, exactly as a stage writes its final model.
+safetensors, exactly as a stage writes its final model. Registered on the ``dschat`` group by ``dschat.cli``;
+torch, deepspeed and transformers are imported when the command runs.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import click
 
-from dschat.cli import main
+from dschat.config import LoraArgs
 from dschat.errors import UserError
 
 
 def find_state(path: Path) -> Path:
     """A state folder (holding trainer.json), or the latest complete state under an output folder."""
-    from dschat.resume import latest_state
+    from dschat.resume import latest_state  # deepspeed: see the module docstring
 
     if (path / "trainer.json").exists():
         return path
@@ -33,9 +34,8 @@ def rebuild_module(meta_dir: Path) -> object:
     """An untrained module shaped like the one that wrote the state (weights are loaded afterwards)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from dschat.config import LoraArgs
-    from dschat.lora import apply_lora
-    from dschat.models import RewardModel
+    from dschat.lora import apply_lora  # torch: see the module docstring
+    from dschat.reward_model import RewardModel
 
     meta = json.loads((meta_dir / "dschat.json").read_text())
     config = AutoConfig.from_pretrained(meta_dir)
@@ -49,6 +49,7 @@ def rebuild_module(meta_dir: Path) -> object:
 
 
 def export_state(checkpoint: Path, output: Path, engine: str | None = None, save_adapter: bool = False) -> Path:
+    # deepspeed, torch, transformers: see the module docstring
     from dschat import engine as E
     from dschat.checkpoint import save_hf
     from dschat.integrity import verify_state
@@ -74,7 +75,7 @@ def export_state(checkpoint: Path, output: Path, engine: str | None = None, save
     return state_dir / name
 
 
-@main.command("export")
+@click.command("export")
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
               help="An output folder (its latest state) or a checkpoints/step-N folder.")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Where to write the HF folder.")

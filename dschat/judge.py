@@ -19,16 +19,25 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dschat.devices import pick_device, resolve_dtype
 from dschat.errors import UserError
-
-Messages = list[dict[str, str]]
+from dschat.prompts import (
+    ASSISTANT_SUFFIX,
+    EN_RUBRIC,
+    HUMAN_PREFIX,
+    ZH_RUBRIC,
+    Messages,
+    inject_system_prompt,
+    is_english,
+    judge_user_message,
+    read_system_prompt,
+)
 
 JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
 TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the completion only (SPEC 6)
@@ -165,33 +174,13 @@ def balance_rows(rows: list[dict[str, Any]], seed: int, skip_unparseable: bool =
     return [r for r in out if r is not None], report
 
 
-def read_system_prompt(path: str) -> str:
-    """The text of a ``--judge-system-prompt`` file; missing or blank is a user error."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"{p}: judge system prompt file not found")
-    text = p.read_text(encoding="utf-8").strip()
-    if not text:
-        raise UserError(f"{p}: judge system prompt file is empty")
-    return text
-
-
-def inject_system_prompt(messages: Messages, system: str | None) -> Messages:
-    """``messages`` opened by ``system`` unless they already hold a system message (a row's own rubric wins)."""
-    if not system or any(m["role"] == "system" for m in messages):
-        return messages
-    return [{"role": "system", "content": system}, *messages]
-
-
 def judge_messages(question: str, answer_a: str, answer_b: str, system: str | None = None) -> Messages:
     """The messages of the demo judge rows for a question and two answers: a rubric system message (``system``,
     else the demo rubric in the question's language, as the demo judge was trained with) and the user turn of
-    ``dschat.demo.corpus.judge_user_message``."""
-    from dschat.demo import corpus
-
-    english = corpus.is_english(question)
-    rubric = system if system else (corpus.EN_RUBRIC if english else corpus.ZH_RUBRIC)
-    user = corpus.judge_user_message(question.strip(), answer_a.strip(), answer_b.strip(), english)
+    ``dschat.prompts.judge_user_message``."""
+    english = is_english(question)
+    rubric = system if system else (EN_RUBRIC if english else ZH_RUBRIC)
+    user = judge_user_message(question.strip(), answer_a.strip(), answer_b.strip(), english)
     return [{"role": "system", "content": rubric}, {"role": "user", "content": user}]
 
 
@@ -218,7 +207,7 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str | Messages], max_len: i
         list[list[int]], int]:
     """Token ids of rendered prompts (``render_prompt``: chat template or Human/Assistant), left-truncated to
     ``max_len`` (the question's end and the answers are at the end). Returns the ids and how many were cut."""
-    from dschat.data.formats import render_prompt
+    from dschat.data.formats import render_prompt  # dschat.data imports torch (start-up cost)
     from dschat.usertext import encode_texts, prompt_parts
 
     texts = [render_prompt(p, tokenizer) for p in prompts]
@@ -247,7 +236,7 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     """
     import torch
 
-    from dschat.data.collators import pad_sequences
+    from dschat.data.collators import pad_sequences  # torch, as above
 
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -263,8 +252,6 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     batches = [order[i: i + s.batch_size] for i in range(0, len(order), s.batch_size)]
     bar = None
     if progress:
-        import sys
-
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompt_ids), desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
@@ -350,10 +337,9 @@ def load_judge(model: str, dtype: str = "auto", device: Any = None, trust_remote
     """A judge as a plain HF causal LM in eval mode on ``device`` (default: CUDA when there is one), its
     tokenizer, and the longest sequence it takes (None when its config does not say). A stage output folder
     stands for its ``actor/`` or ``model/``."""
-    from dschat.chat import chat_model_dir, max_positions
-    from dschat.models import create_causal_lm, load_tokenizer
+    from dschat.models import create_causal_lm, load_tokenizer, max_positions, resolve_saved_model  # torch
 
-    path = chat_model_dir(model)
+    path = resolve_saved_model(model)
     dev = device if device is not None else pick_device("auto")
     tokenizer = load_tokenizer(path, trust_remote_code)
     try:
@@ -379,8 +365,6 @@ def prompt_budget(limit: int | None, max_new_tokens: int) -> int | None:
 def question_of(row_prompt: Any, decoded_prompt: str) -> str:
     """The question a policy answered, for the judge's user message: the ``Human:`` turn of an rm-static prompt,
     the last user message of a message list, else the decoded prompt as the policy saw it."""
-    from dschat.demo.corpus import ASSISTANT_SUFFIX, HUMAN_PREFIX
-
     if isinstance(row_prompt, list):
         users = [m.get("content", "") for m in row_prompt if isinstance(m, dict) and m.get("role") == "user"]
         if users:
@@ -435,7 +419,7 @@ def load_judge_reward(model: str, max_new_tokens: int = 128, system_prompt_file:
     """The reward function ``judge`` of stage 3: the judge at ``model`` (greedy, so a completion's reward does
     not depend on sampling noise) on this rank's device. It is a plain frozen module, not a DeepSpeed engine:
     each rank holds a copy and judges its own completions."""
-    from dschat import engine as E
+    from dschat import engine as E  # deepspeed: imported only when a run uses a judge
 
     lm, tok, limit = load_judge(model, dtype, E.device(), trust_remote_code)
     s = SamplingArgs(max_new_tokens=max_new_tokens, votes=1, batch_size=batch_size)
@@ -460,6 +444,7 @@ class JudgeRow:
 def load_judge_rows(data: Sequence[str], system: str | None = None) -> tuple[list[JudgeRow], dict[str, int]]:
     """Every row of judge-pairwise sources (a source's own test split included), with ``system`` injected as in
     training (``--judge-system-prompt``). Empty rows are dropped and counted; other formats are a user error."""
+    # dschat.data imports torch: here, so that importing this module stays cheap
     from dschat.data.formats import JUDGE as JUDGE_FORMAT
     from dschat.data.formats import Dropped, describe_keys, detect_format, parse_row
     from dschat.data.sources import DataSpec, load_source

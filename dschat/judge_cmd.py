@@ -4,7 +4,8 @@
     dschat judge --model out/judge/step3_judge --question "..." --answer-a "..." --answer-b "..."
 
 Both use ``dschat.judge``: the same prompt, the same batched generation and the verdict rule ``judge_match``
-trains with. Imported by ``dschat.commands``; torch and transformers are imported when a command runs.
+trains with. Registered on the ``dschat`` group by ``dschat.cli``; torch and transformers are imported when a
+command runs.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ from typing import Any
 
 import click
 
-from dschat.cli import main
 from dschat.devices import DTYPES
 from dschat.errors import UserError
-from dschat.judge import SamplingArgs
+from dschat.judge import (
+    SamplingArgs,
+    judge_messages,
+    judge_metrics,
+    judge_prompts,
+    load_judge,
+    load_judge_rows,
+    prompt_budget,
+)
+from dschat.prompts import read_system_prompt
 
 
 def sampling_options(fn: Any) -> Any:
@@ -44,15 +53,6 @@ def evaluate_judge_files(model: str, data: list[str], s: SamplingArgs, system_pr
                          trust_remote_code: bool = False, progress: bool = True,
                          log: Any = lambda _: None) -> dict[str, Any]:
     """Judge accuracy, unparseable rate and position bias of ``model`` on every row of ``data`` (SPEC 7)."""
-    from dschat.judge import (
-        judge_metrics,
-        judge_prompts,
-        load_judge,
-        load_judge_rows,
-        prompt_budget,
-        read_system_prompt,
-    )
-
     s.check()
     system = read_system_prompt(system_prompt) if system_prompt else None
     rows, counts = load_judge_rows(data, system)
@@ -64,13 +64,13 @@ def evaluate_judge_files(model: str, data: list[str], s: SamplingArgs, system_pr
                                     progress=progress)
     metrics = judge_metrics([j.verdict for j in judgements], [r.winner for r in rows])
     # judge_match reads only the verdict, so RL may erode the reasoning format around it: worth watching.
-    from dschat.chat import chat_model_dir
+    from dschat.models import resolve_saved_model  # torch: imported when the command runs
     from dschat.rewards import format_reward
 
     completions = [c for j in judgements for c in j.completions]
     metrics["format_rate"] = sum(format_reward([], completions)) / len(completions)
 
-    metrics.update({"model": chat_model_dir(model), "data": data, "votes": s.votes,
+    metrics.update({"model": resolve_saved_model(model), "data": data, "votes": s.votes,
                     "max_new_tokens": s.max_new_tokens, "temperature": s.temperature if s.votes > 1 else 0.0,
                     "truncated_prompts": cut, **counts, "seconds": round(time.time() - t0, 1),
                     "example": {"where": rows[0].where, "completion": judgements[0].completions[0]}})
@@ -91,7 +91,7 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
     click.echo(f"format_rate: {f(m['format_rate'])} (one <think>...</think> then one <answer>...</answer>)")
 
 
-@main.command("judge")
+@click.command("judge")
 @click.option("--model", required=True, help="Judge model: a folder (a stage output stands for its actor/ or "
                                              "model/), an HF id in the cache, an alias or 'tiny'.")
 @click.option("--question", required=True, help="The question both answers reply to.")
@@ -107,8 +107,6 @@ def judge_command(model: str, question: str, answer_a: str, answer_b: str, syste
                   max_new_tokens: int, temperature: float, top_p: float, seed: int, dtype: str,
                   trust_remote_code: bool) -> None:
     """Ask a judge which of two answers is better: prints its reasoning, then `verdict: A|B|unparseable`."""
-    from dschat.judge import judge_messages, judge_prompts, load_judge, prompt_budget, read_system_prompt
-
     for name, text in (("--question", question), ("--answer-a", answer_a), ("--answer-b", answer_b)):
         if not text.strip():
             raise UserError(f"{name} is empty")

@@ -17,7 +17,7 @@ folder that ``dschat.checkpoint.save_hf`` writes loads with plain transformers a
 ``PeftModel.from_pretrained(base, folder / "adapter")`` on the base model reproduces the trained model. A reward
 model's adapter lists its v_head in ``modules_to_save``, because the v_head is trained in full, not adapted.
 
-peft is imported inside the functions, so importing this module stays cheap.
+peft and dschat.engine (deepspeed) are imported inside the functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 
 from dschat.config import LoraArgs
 from dschat.errors import UserError
-from dschat.models import RewardModel, hf_model
+from dschat.reward_model import RewardModel, hf_model
 
 ADAPTER = "default"  # PEFT's adapter name; dschat attaches one adapter per model
 ADAPTER_DIR = "adapter"  # subfolder of a saved model folder holding the unmerged adapter
@@ -139,7 +139,7 @@ def lora_param_groups(model: nn.Module, weight_decay: float, lr: float,
     (``dschat.engine.optimizer_groups``: frozen parameters skipped), with the adapters in their own groups at
     ``lora_lr`` (None: ``lr``). Base groups come first, so ``engine.get_lr()[0]`` is the main rate whenever
     base weights (or a v_head) train. Works on a model without LoRA too (then it is the usual split)."""
-    from dschat.engine import optimizer_groups
+    from dschat.engine import optimizer_groups  # here, not above: dschat.engine imports deepspeed (start-up cost)
 
     adapter_ids = {id(p) for _, m in _lora_layers(model) for name, p in m.named_parameters()
                    if not name.startswith("base_layer.")}

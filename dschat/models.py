@@ -20,6 +20,9 @@ import torch
 from torch import nn
 
 from dschat.errors import UserError
+from dschat.lora import apply_lora
+from dschat.reward_model import RewardModel
+from dschat.tiny import TOKENIZER_MODEL_PATH, save_tiny_tokenizer, tiny_model_config
 from dschat.utils import atomic_dir, cache_root, stable_hash
 
 if TYPE_CHECKING:
@@ -79,9 +82,6 @@ def _quiet_transformers() -> None:
 def tiny_model_dir() -> Path:
     """Materialise the ``tiny`` preset (config, seeded weights, demo tokenizer) once; return its folder."""
     from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from dschat.demo.model import tiny_model_config
-    from dschat.demo.tokenizer import TOKENIZER_MODEL_PATH, save_tiny_tokenizer
 
     # The folder name covers everything that shapes the preset, so a changed tokenizer or config never
     # reuses a stale folder.
@@ -145,6 +145,34 @@ def download_patterns(repo: str) -> list[str]:
         return CONFIG_PATTERNS + SAFETENSORS_PATTERNS + BIN_PATTERNS
     has_safetensors = any(f.endswith(".safetensors") for f in files)
     return CONFIG_PATTERNS + (SAFETENSORS_PATTERNS if has_safetensors else BIN_PATTERNS)
+
+
+# Subfolders of a stage's output folder that hold its model: stage 3's actor/, stages 1 and 2's model/.
+STAGE_MODEL_DIRS = ("actor", "model")
+# Config fields that hold the longest sequence a model was built for, by family (Llama/OPT/Qwen, GPT-2, ...).
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def resolve_saved_model(model: str, inside: tuple[str, ...] = STAGE_MODEL_DIRS) -> str:
+    """``resolve_model``, where a stage output folder stands for the model inside it (the first of ``inside``
+    that holds a config.json), so ``--model output/step3_rlhf`` works."""
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").exists():
+        for sub in inside:
+            if (path / sub / "config.json").exists():
+                return str(path / sub)
+    return resolve_model(model)
+
+
+def max_positions(config: Any, tokenizer: Any) -> int | None:
+    """The longest sequence (prompt + answer) the model takes, or None when neither config nor tokenizer says."""
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    # Tokenizers without a limit report a huge sentinel (int(1e30)); that is not a limit.
+    return value if isinstance(value, int) and 0 < value < 1_000_000 else None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -279,51 +307,11 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
         raise load_failure(path, e) from None
     fit_embeddings(model, n_tokens)
     if lora is not None and lora.lora_dim:
-        from dschat.lora import apply_lora
-
         apply_lora(model, lora)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
-
-
-class RewardModel(nn.Module):
-    """LM backbone + ``v_head = Linear(hidden, 1, bias=False)``: per-token values and end scores.
-
-    It wraps the family's ``*ForSequenceClassification`` (whose ``score`` layer is the v_head), so the saved
-    folder loads with ``AutoModelForSequenceClassification`` and scores the same sequences the same way.
-    """
-
-    def __init__(self, seq_cls: nn.Module):
-        super().__init__()
-        self.model = seq_cls
-        self.config = seq_cls.config
-
-    @property
-    def v_head(self) -> nn.Linear:
-        return self.model.score
-
-    @property
-    def backbone(self) -> nn.Module:
-        return getattr(self.model, self.model.base_model_prefix)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token values ``(B, T)``. Pass ``position_ids`` for left-padded rows (see ``positions_from_mask``)."""
-        kwargs = {"position_ids": position_ids} if position_ids is not None else {}
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)[0]
-        return self.v_head(hidden).squeeze(-1).float()
-
-    @staticmethod
-    def end_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The end score: the value at each row's last real token, found from the mask, which is the EOS that
-        ends every input (stages append it). HF's pooling lands on the same token because dschat's pad is never
-        EOS (``ensure_distinct_pad``). ``(B, T) -> (B,)``."""
-        from dschat.losses import end_indices
-
-        idx = end_indices(attention_mask)
-        return values.gather(1, idx.unsqueeze(1)).squeeze(1)
 
 
 def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
@@ -364,23 +352,8 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     fit_embeddings(seq_cls, n_tokens)
     model = RewardModel(seq_cls)
     if lora is not None and lora.lora_dim:
-        from dschat.lora import apply_lora
-
         apply_lora(model, lora)
     if gradient_checkpointing:
         seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         seq_cls.config.use_cache = False
     return model
-
-
-def hf_model(module: nn.Module) -> tuple[Any, str]:
-    """The HF ``PreTrainedModel`` to ``save_pretrained`` and the state-dict prefix to strip to reach it.
-
-    LoRA layers injected by ``dschat.lora`` live inside that model (``dschat.lora.merged_state_dict`` maps their
-    keys back); a ``peft.PeftModel`` wrapper is looked through (prefix ``base_model.model.``).
-    """
-    if isinstance(module, RewardModel):
-        return module.model, "model."
-    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):  # peft.PeftModel
-        return module.get_base_model(), "base_model.model."
-    return module, ""

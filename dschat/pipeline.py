@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from dschat.cli import main
+from dschat.demo import demo_files
 from dschat.errors import UserError
 from dschat.utils import write_json
 
@@ -121,8 +121,6 @@ def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[st
         argv += ["--actor-model", str(out / FOLDERS["sft"] / "model"),
                  "--reward-model", str(out / FOLDERS["rm"] / "model")]
     if demo and (grpo or judge):  # demo data: format warm-up rows for SFT, rows with a ground truth for GRPO
-        from dschat.data.phases import demo_files
-
         files = {"sft": "judge_sft", "judge": "judge"} if judge else {"sft": "prompts_sft", "grpo": "prompts"}
         data = [str(demo_files()[files[name]])]
     for d in data:
@@ -207,7 +205,7 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, int | float) else "-"
 
 
-@main.command("pipeline")
+@click.command("pipeline")
 @click.argument("stages", default="all")
 @click.option("--model", "--actor-model", "model", default="tiny", show_default=True,
               help="Base model of stage 1 (and of the reward model unless --reward-model).")
@@ -262,8 +260,6 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
             raise UserError(f"pipeline stage {name} failed (exit code {rc}); later stages were not run")
     if "judge" in names:
         if not eval_data and demo:
-            from dschat.data.phases import demo_files
-
             eval_data = (str(demo_files()["judge_eval"]),)
         if eval_data:
             judge_evals(out, names, list(eval_data), shlex.split(eval_args), timings)

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from dschat import engine as E
 from dschat import integrity
 from dschat.diskfull import DiskFull, disk_full_error, is_disk_full, remove_quietly
 from dschat.errors import UserError
+from dschat.lora import lora_args_of
+from dschat.reward_model import RewardModel, hf_model
 from dschat.utils import atomic_write_text
 
 TAG = "state"
@@ -221,11 +224,6 @@ META = "hf"  # per engine: config.json, tokenizer files and dschat.json (what mo
 
 def write_model_meta(module: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
     """What ``dschat export`` needs to turn the engine's shards back into a HF folder."""
-    import dataclasses
-
-    from dschat.lora import lora_args_of
-    from dschat.models import RewardModel, hf_model
-
     folder.mkdir(parents=True, exist_ok=True)
     target, _ = hf_model(module)
     target.config.save_pretrained(folder)
@@ -233,7 +231,7 @@ def write_model_meta(module: torch.nn.Module, tokenizer: Any, folder: Path) -> N
         tokenizer.save_pretrained(folder)
     lora = lora_args_of(module)
     meta = {"kind": "reward" if isinstance(module, RewardModel) else "causal_lm",
-            "lora": dataclasses.asdict(lora) if lora is not None else None}
+            "lora": asdict(lora) if lora is not None else None}
     (folder / "dschat.json").write_text(json.dumps(meta, indent=2))
 
 

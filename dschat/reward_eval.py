@@ -1,7 +1,7 @@
 """Reward-model loss and evaluation, shared by stage 2 (before, during and after training) and ``dschat eval --step 2``.
 
 A reward model here is anything whose forward maps ``(input_ids, attention_mask)`` of shape ``(N, T)`` to
-per-token values ``(N, T)``: a ``dschat.models.RewardModel`` or a DeepSpeed engine wrapping one. Batches come
+per-token values ``(N, T)``: a ``dschat.reward_model.RewardModel`` or a DeepSpeed engine wrapping one. Batches come
 from ``DataCollatorReward``: B chosen rows, then B rejected rows, right-padded.
 
 Metrics (SPEC 4): pairwise accuracy (chosen > rejected, ties count half), mean chosen and rejected end scores,
@@ -23,7 +23,7 @@ from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
-from dschat.models import RewardModel
+from dschat.reward_model import RewardModel
 from dschat.stage import EvalLoader, lockstep_batches, to_device
 
 

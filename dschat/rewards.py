@@ -36,11 +36,10 @@ import torch
 from dschat.errors import UserError
 from dschat.judge import LETTER_OF, parse_verdict
 from dschat.losses import overlong_penalty
+from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 
 RewardFunc = Callable[..., list[float]]
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 RM = "rm"  # the reward model's end score, computed by stage 3
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

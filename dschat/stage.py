@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from dschat import engine as E
 from dschat.config import OptimArgs, RunArgs, to_flat_dict
 from dschat.errors import UserError
+from dschat.lock import claim_output_dir
 from dschat.models import TINY
+from dschat.resume import Checkpointer, checkpoint_root, latest_state
 from dschat.utils import set_seed, write_json
 
 TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
@@ -45,9 +47,6 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     continues the states, ``--force`` starts over. The folder is locked for the life of the process (one run per
     folder) and must be the same folder on every node (``dschat.lock``); rank 0 decides what it holds.
     """
-    from dschat.lock import claim_output_dir
-    from dschat.resume import checkpoint_root, latest_state
-
     run: RunArgs = cfg.run
     out = Path(run.output_dir or default_output).expanduser()
     E.setup_distributed()
@@ -219,8 +218,6 @@ class ResumableLoop:
     """
 
     def __init__(self, stage: Stage, engine: Any, tokenizer: Any, run: RunArgs):
-        from dschat.resume import Checkpointer
-
         self.engine, self.save_interval, self.save_final = engine, run.save_interval, run.save_final_state
         self.ckpt = Checkpointer(stage.output_dir, {"model": engine}, run.keep_checkpoints, tokenizer)
         self.resumed_from, self.state, _ = self.ckpt.resume_latest(stage.log) if run.resume else (None, {}, {})

@@ -37,7 +37,7 @@ if [[ "$TINY" == 1 ]]; then
   # The demo files and settings of `dschat pipeline judge` (its measured run is in the README): the model is 1.4M
   # parameters trained from scratch, so it takes a toy learning rate, short prompts and completions, 4 completions
   # per prompt instead of 7, and 100 steps.
-  mapfile -t demo < <("$PYTHON" -c 'from dschat.data.phases import demo_files as d; f = d()
+  mapfile -t demo < <("$PYTHON" -c 'from dschat.demo import demo_files as d; f = d()
 print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   MODEL=tiny DATA="${demo[0]}" SFT_DATA="${demo[1]}" EVAL_DATA="${demo[2]}" NUM_GPUS=0
   OUTPUT_DIR="${OUTPUT_DIR/%rm_r1_judge/rm_r1_judge_tiny}"

@@ -11,6 +11,7 @@ from typing import Any
 
 from dschat.data.sources import WHERE
 from dschat.errors import UserError
+from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX
 
 PAIRWISE = "pairwise"
 CONV_PAIRWISE = "conversational_pairwise"
@@ -206,7 +207,7 @@ def parse_row(row: dict[str, Any], fmt: str) -> Example:
 
 
 # ------------------------------------------------------------------------------------------------ rendering
-HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+HUMAN, ASSISTANT = HUMAN_PREFIX.rstrip(" "), ASSISTANT_SUFFIX
 
 
 def has_chat_template(tokenizer: Any) -> bool:

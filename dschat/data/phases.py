@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from dschat.data.formats import (
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.diskfull import DiskFull, free_bytes, human_bytes
 from dschat.errors import UserError
-from dschat.judge import inject_system_prompt, read_system_prompt
+from dschat.prompts import inject_system_prompt, read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import atomic_write_text, cache_root, stable_hash
 
@@ -73,55 +74,6 @@ def split_indices(n: int, split: list[float], seed: int, phase: int) -> list[int
         acc += w
         bounds.append(int(round(n * acc / total)))
     return order[bounds[phase - 1]: bounds[phase]]
-
-
-def demo_sources() -> list[DataSpec]:
-    """The embedded demo corpus, written once into the cache (deterministic, so any rank may write it)."""
-    return [DataSpec(str(demo_files()["pairwise"]))]
-
-
-# Seed of the SFT warm-up rows of the GRPO demo: not the prompts' seed 0, so GRPO's held-out prompts were never
-# seen with their worked answers during SFT.
-PROMPTS_SFT_SEED = 1
-
-
-# Seeds of the judge demo's other files: the cold-start SFT rows and the held-out evaluation rows are drawn from
-# streams of their own, so neither shares a row with the GRPO judge rows (seed 0) or with each other.
-JUDGE_SFT_SEED = 1
-JUDGE_SFT_VERDICTS = "winner"  # the cold start's verdicts: the true winner (RM-R1's distillation) or "random"
-JUDGE_EVAL_SEED = 2
-JUDGE_EVAL_ROWS = 300
-
-
-def demo_files() -> dict[str, Path]:
-    """The demo files, in a cache folder keyed by the generator's source, so an edited corpus never reuses stale
-    files: ``pairwise``, ``prompts`` (GRPO prompt-only rows), ``judge`` (RM-R1 rows) and ``prompts_sft``
-    (prompt/response rows of other arithmetic prompts with worked ``<think>..</think><answer>..</answer>``
-    completions, to warm up the format with SFT before GRPO); ``judge_sft`` (other judge rows with a cold-start
-    ``response`` ending in the true winner's verdict, RM-R1's distillation step) and ``judge_eval`` (held-out
-    judge rows for ``dschat eval --judge``)."""
-    import hashlib
-
-    from dschat.demo import corpus
-
-    digest = hashlib.sha256(Path(corpus.__file__).read_bytes()).hexdigest()[:12]
-    folder = cache_root() / f"demo-{digest}"
-    names = {"pairwise": "pairwise.jsonl", "prompts": "prompts.jsonl", "judge": "judge.jsonl"}
-    if not all((folder / n).exists() for n in names.values()):
-        corpus.write_demo_files(folder)
-    files = {k: folder / n for k, n in names.items()}
-    files["prompts_sft"] = folder / f"prompts_sft-seed{PROMPTS_SFT_SEED}.jsonl"
-    if not files["prompts_sft"].exists():
-        rows = corpus.generate_prompts(seed=PROMPTS_SFT_SEED, with_solution=True)
-        corpus.write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["prompts_sft"])
-    files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}-{JUDGE_SFT_VERDICTS}.jsonl"
-    if not files["judge_sft"].exists():
-        corpus.write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts=JUDGE_SFT_VERDICTS),
-                           files["judge_sft"])
-    files["judge_eval"] = folder / f"judge_eval-seed{JUDGE_EVAL_SEED}.jsonl"
-    if not files["judge_eval"].exists():
-        corpus.write_jsonl(corpus.generate_judge_pairs(JUDGE_EVAL_ROWS, seed=JUDGE_EVAL_SEED), files["judge_eval"])
-    return files
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -286,11 +238,19 @@ def count_line(phase: int, counts: dict[str, int]) -> str:
 
 
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
-               log: Any = print) -> PhaseData:
-    """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk."""
+               log: Any = print, default_data: Callable[[], Sequence[str]] | None = None) -> PhaseData:
+    """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk.
+
+    Without ``data.data`` the sources are ``default_data()`` (the stage mains pass the demo corpus,
+    ``dschat.demo.demo_data``); with neither there is nothing to train on, a user error.
+    """
     split = parse_split(data.data_split)
     judge_system = read_system_prompt(data.judge_system_prompt) if data.judge_system_prompt else None
-    specs = [DataSpec.parse(d) for d in data.data] if data.data else demo_sources()
+    names = list(data.data) if data.data else list(default_data()) if default_data is not None else []
+    if not names:
+        raise UserError("no --data given: pass a JSON Lines, JSON or Parquet file, a save_to_disk folder or a "
+                        "dataset name (repeatable)")
+    specs = [DataSpec.parse(d) for d in names]
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
     key = cache_key(data, phase, tokenizer, seed, specs)
     # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code (issue 11).

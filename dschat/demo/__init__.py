@@ -1,7 +1,8 @@
-"""Embedded demo: generated preference data, a tiny sentencepiece tokenizer and a tiny Llama config.
+"""Embedded demo: generated preference data and the tools that build the ``tiny`` preset's tokenizer.
 
-Everything here runs without network access. ``dschat.demo.corpus`` is pure stdlib; the tokenizer and model
-helpers import sentencepiece / transformers only when called.
+Everything here runs without network access. ``dschat.demo.corpus`` is pure stdlib; the tokenizer builder
+imports sentencepiece only when called. The library never imports this package (``tests/dschat/test_imports.py``):
+the stage mains and the demo commands pass ``demo_data`` in where a run is given no ``--data``.
 """
 
 from dschat.demo.corpus import (
@@ -11,33 +12,16 @@ from dschat.demo.corpus import (
     tokenizer_training_text,
     write_demo_files,
 )
-from dschat.demo.model import tiny_model_config
-from dschat.demo.tokenizer import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    TOKENIZER_MODEL_PATH,
-    UNK_ID,
-    VOCAB_SIZE,
-    build_tokenizer_model,
-    load_tiny_tokenizer,
-    save_tiny_tokenizer,
-)
+from dschat.demo.files import demo_data, demo_files
+from dschat.demo.tokenizer import build_tokenizer_model
 
 __all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "PAD_ID",
-    "TOKENIZER_MODEL_PATH",
-    "UNK_ID",
-    "VOCAB_SIZE",
     "build_tokenizer_model",
+    "demo_data",
+    "demo_files",
     "generate_judge_pairs",
     "generate_pairwise",
     "generate_prompts",
-    "load_tiny_tokenizer",
-    "save_tiny_tokenizer",
-    "tiny_model_config",
     "tokenizer_training_text",
     "write_demo_files",
 ]

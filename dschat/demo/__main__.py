@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from dschat.demo.corpus import write_demo_files
-from dschat.demo.tokenizer import VOCAB_SIZE, build_tokenizer_model
+from dschat.demo.tokenizer import build_tokenizer_model
+from dschat.tiny import VOCAB_SIZE
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ Everything is a pure function of ``(n, seed)``: each generator owns a ``random.R
 that names the stream, so the three files do not share draws and adding a row kind never shifts another's
 output. Python seeds ``random.Random`` from a ``str`` through SHA-512, which does not depend on
 ``PYTHONHASHSEED``. Pure stdlib on purpose: ``import dschat.demo.corpus`` must stay cheap (no torch or
-transformers).
+transformers). The text the library shares with the demo (turn markers, tags, the judge's task and rubrics)
+lives in ``dschat.prompts``.
 """
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dschat.prompts import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    ASSISTANT_SUFFIX,
+    EN_RUBRIC,
+    HUMAN_PREFIX,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ZH_RUBRIC,
+    is_english,
+    judge_user_message,
+)
 from dschat.utils import write_jsonl
-
-HUMAN_PREFIX = "\n\nHuman: "
-ASSISTANT_SUFFIX = "\n\nAssistant:"
-
-#: Tags of the GRPO / RM-R1 completion format; the tiny tokenizer keeps each as one piece.
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 DEFAULT_PAIRWISE_ROWS = 3200
 DEFAULT_PROMPT_ROWS = 1000
@@ -903,38 +909,6 @@ def generate_prompts(
 # --------------------------------------------------------------------------------------------------------------
 # RM-R1 judge rows
 # --------------------------------------------------------------------------------------------------------------
-
-ZH_RUBRIC = (
-    "你是公正的评审，负责比较两位电商客服的回答。好的回答应当体谅顾客、给出具体的处理步骤，并说明订单号或处理时限；"
-    "敷衍、推卸责任或给出错误政策的回答较差。"
-)
-EN_RUBRIC = (
-    "You are an impartial judge comparing two customer-service answers. A good answer shows empathy, names a "
-    "concrete next step and gives the order number or a time frame; curt, evasive or wrong-policy answers are "
-    "worse."
-)
-_ZH_JUDGE_TASK = (
-    "请比较下面两个回答，先在<think></think>中简要分析，再输出<answer>[[A]]</answer>或<answer>[[B]]</answer>。"
-)
-_EN_JUDGE_TASK = (
-    "Compare the two answers below. Reason briefly in <think></think>, then output <answer>[[A]]</answer> or "
-    "<answer>[[B]]</answer>."
-)
-
-
-def judge_user_message(question: str, answer_a: str, answer_b: str, english: bool) -> str:
-    """The user turn of an RM-R1 judge row: task, question, and the two answers between the usual markers."""
-    task = _EN_JUDGE_TASK if english else _ZH_JUDGE_TASK
-    return (
-        f"{task}\n\n[User Question]\n{question}\n\n"
-        f"[The Start of Assistant A's Answer]\n{answer_a}\n[The End of Assistant A's Answer]\n\n"
-        f"[The Start of Assistant B's Answer]\n{answer_b}\n[The End of Assistant B's Answer]"
-    )
-
-
-def is_english(text: str) -> bool:
-    return not any("\u4e00" <= ch <= "\u9fff" for ch in text)
-
 
 def generate_judge_pairs(
     n: int = DEFAULT_JUDGE_ROWS, seed: int = 0, english_ratio: float = 0.2, with_rubric: bool = True

@@ -1,7 +1,8 @@
-"""The tiny demo tokenizer: a sentencepiece BPE model trained on the demo corpus, shipped as a file.
+"""How the ``tiny`` preset's tokenizer is made: a sentencepiece BPE model trained on the demo corpus.
 
-``assets/tokenizer.model`` is built by ``build_tokenizer_model`` from ``corpus.tokenizer_training_text()`` and a
-short line of extra punctuation. Rebuild it after changing the corpus templates or the settings below::
+The library ships the result as ``dschat/assets/tokenizer.model`` and loads it (``dschat.tiny``); this module
+builds it with ``build_tokenizer_model`` from ``corpus.tokenizer_training_text()`` and a short line of extra
+punctuation. Rebuild it after changing the corpus templates or the settings below::
 
     python -m dschat.demo tokenizer
 
@@ -22,50 +23,33 @@ Settings and why:
 - ``num_threads=1``, a fixed random seed, an in-memory iterator and writer (no file paths end up in the
   model's trainer spec): the same corpus gives the same bytes.
 
-``load_tiny_tokenizer`` turns it into a HF tokenizer through ``AutoTokenizer``, which in transformers 5 builds
-a ``TokenizersBackend`` that follows the sentencepiece model's own settings and gives exactly
-sentencepiece's ids. (``LlamaTokenizer(vocab_file=...)`` yields empty ids in transformers 5, and naming
-``LlamaTokenizer`` as the class makes it drop the dummy prefix before a leading space or a ``<think>`` tag.) The
-one known difference: text that contains a special token's string (``<s>``, ``</s>``, ``<pad>``, ``<unk>``) is
-split at it by HF and not by sentencepiece.
-
-sentencepiece and transformers are imported inside the functions, so importing this module stays cheap.
+sentencepiece is imported inside the functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
 import io
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dschat.demo.corpus import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, tokenizer_training_text
+from dschat.demo.corpus import tokenizer_training_text
+from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
+from dschat.tiny import (
+    BOS_ID,
+    BOS_TOKEN,
+    EOS_ID,
+    EOS_TOKEN,
+    PAD_ID,
+    PAD_TOKEN,
+    TOKENIZER_MODEL_PATH,
+    UNK_ID,
+    UNK_TOKEN,
+    VOCAB_SIZE,
+)
 from dschat.utils import atomic_write_bytes
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-TOKENIZER_MODEL_PATH = ASSETS_DIR / "tokenizer.model"
-
-VOCAB_SIZE = 4000
-UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
-MODEL_MAX_LENGTH = 512  # = tiny_model_config's max_position_embeddings
-
-#: Passed to ``AutoTokenizer.from_pretrained`` for the bare ``tokenizer.model``; ``save_pretrained`` then writes
-#: them into ``tokenizer_config.json`` / ``tokenizer.json``, so checkpoints reload the same way.
-HF_TOKENIZER_KWARGS: dict[str, Any] = {
-    "unk_token": UNK_TOKEN,
-    "bos_token": BOS_TOKEN,
-    "eos_token": EOS_TOKEN,
-    "pad_token": PAD_TOKEN,
-    "add_bos_token": True,
-    "add_eos_token": False,
-    "model_max_length": MODEL_MAX_LENGTH,
-}
 
 # Common punctuation the templates do not use, so it gets a piece of its own instead of 3 byte pieces.
 _COVERAGE_TEXT = (
@@ -127,33 +111,3 @@ def build_tokenizer_model(
     The write is atomic (temporary file + rename). The default path is the shipped asset.
     """
     return atomic_write_bytes(out_path, build_tokenizer_model_bytes(vocab_size, seed))
-
-
-def load_tiny_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The tiny tokenizer as a HF tokenizer.
-
-    ``path=None`` loads the shipped ``assets/tokenizer.model``. Otherwise ``path`` is a tokenizer folder: one
-    written by ``save_tiny_tokenizer``, any stage checkpoint, or a folder holding just a ``tokenizer.model``
-    (then the special tokens of ``HF_TOKENIZER_KWARGS`` are applied). Needs ``protobuf`` for the conversion.
-    """
-    from transformers import AutoTokenizer
-
-    folder = ASSETS_DIR if path is None else Path(path)
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(folder)
-    if not (folder / "tokenizer.model").is_file():
-        raise FileNotFoundError(f"no tokenizer.json, tokenizer_config.json or tokenizer.model in {folder}")
-    return AutoTokenizer.from_pretrained(folder, **HF_TOKENIZER_KWARGS)
-
-
-def save_tiny_tokenizer(out_dir: str | Path) -> Path:
-    """Write the tiny tokenizer as a HF tokenizer folder (``save_pretrained`` files + ``tokenizer.model``).
-
-    Returns ``out_dir``; ``load_tiny_tokenizer(out_dir)`` or ``AutoTokenizer.from_pretrained(out_dir)`` reload it.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    load_tiny_tokenizer().save_pretrained(out)
-    # transformers 5 saves only tokenizer.json; keep the sentencepiece model too, for tools that want it.
-    shutil.copyfile(TOKENIZER_MODEL_PATH, out / "tokenizer.model")
-    return out

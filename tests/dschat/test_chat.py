@@ -9,7 +9,6 @@ import pytest
 from dschat.chat import (
     ASSISTANT_PREFIX,
     _make_streamer,
-    chat_model_dir,
     cut_at_stop,
     encode_prompt,
     fit_messages,
@@ -18,6 +17,7 @@ from dschat.chat import (
 )
 from dschat.devices import pick_device
 from dschat.errors import UserError
+from dschat.models import resolve_saved_model
 from tests.helpers import ROOT, run_cli
 
 
@@ -134,11 +134,11 @@ def test_streamer_hides_the_next_turn_and_leading_space(tiny_tokenizer):
 def test_stage_output_folder_stands_for_its_model(tmp_path):
     (tmp_path / "step1" / "model").mkdir(parents=True)
     (tmp_path / "step1" / "model" / "config.json").write_text("{}")
-    assert chat_model_dir(str(tmp_path / "step1")) == str(tmp_path / "step1" / "model")
+    assert resolve_saved_model(str(tmp_path / "step1")) == str(tmp_path / "step1" / "model")
     for sub in ("actor", "critic"):
         (tmp_path / "step3" / sub).mkdir(parents=True)
         (tmp_path / "step3" / sub / "config.json").write_text("{}")
-    assert chat_model_dir(str(tmp_path / "step3")) == str(tmp_path / "step3" / "actor")
+    assert resolve_saved_model(str(tmp_path / "step3")) == str(tmp_path / "step3" / "actor")
 
 
 class FakeBot:

@@ -1,4 +1,5 @@
-"""Tests of the embedded demo: generated corpus, tiny sentencepiece tokenizer, tiny model config."""
+"""Tests of the embedded demo and the tiny preset it shapes: generated corpus, the sentencepiece tokenizer (built
+by the demo, shipped and loaded by ``dschat.tiny``), the tiny model config."""
 
 from __future__ import annotations
 
@@ -16,26 +17,24 @@ import pytest
 
 from dschat.demo import corpus
 from dschat.demo.corpus import (
-    ASSISTANT_SUFFIX,
-    HUMAN_PREFIX,
     generate_judge_pairs,
     generate_pairwise,
     generate_prompts,
     prompt_question,
     write_demo_files,
 )
-from dschat.demo.tokenizer import (
+from dschat.demo.tokenizer import SPECIAL_TAGS, build_tokenizer_model, build_tokenizer_model_bytes
+from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, ZH_RUBRIC
+from dschat.tiny import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
-    SPECIAL_TAGS,
     TOKENIZER_MODEL_PATH,
     UNK_ID,
     VOCAB_SIZE,
-    build_tokenizer_model,
-    build_tokenizer_model_bytes,
     load_tiny_tokenizer,
     save_tiny_tokenizer,
+    tiny_model_config,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +192,7 @@ def test_judge_rows() -> None:
         _, a, b = m.groups()
         good, bad = (a, b) if r["winner"] == "model_a" else (b, a)
         assert good.startswith(openers) and not bad.startswith(openers)
-        assert (system["content"] == corpus.ZH_RUBRIC) == is_chinese(user["content"].split("[User Question]")[1])
+        assert (system["content"] == ZH_RUBRIC) == is_chinese(user["content"].split("[User Question]")[1])
     bare = generate_judge_pairs(10, seed=0, with_rubric=False)
     assert all([m["role"] for m in r["context_messages"]] == ["user"] for r in bare)
     assert [r["winner"] for r in bare] == [r["winner"] for r in generate_judge_pairs(10, seed=0)]
@@ -321,8 +320,6 @@ def test_rebuild_gives_byte_identical_model(tmp_path: Path) -> None:
 def test_tiny_model_config_builds_a_model(tok) -> None:  # type: ignore[no-untyped-def]
     import torch
     from transformers import LlamaForCausalLM
-
-    from dschat.demo import tiny_model_config
 
     config = tiny_model_config()
     assert config.vocab_size == len(tok)

@@ -9,7 +9,7 @@ import pytest
 from dschat.config import DataArgs
 from dschat.data.phases import cache_key, load_phase
 from dschat.data.sources import DataSpec
-from dschat.demo.corpus import generate_judge_cold_start, generate_judge_pairs, judge_user_message, write_jsonl
+from dschat.demo.corpus import generate_judge_cold_start, generate_judge_pairs
 from dschat.errors import UserError
 from dschat.judge import (
     JudgeReward,
@@ -25,7 +25,9 @@ from dschat.judge import (
     swap_row,
 )
 from dschat.models import load_tokenizer, resolve_model
+from dschat.prompts import judge_user_message
 from dschat.rewards import judge_match_reward
+from dschat.utils import write_jsonl
 from tests.helpers import read_json, read_jsonl, run_cli
 
 RM_R1_USER = ("[Client Question]\nWhat is 2+2?\n\n[The Start of Chatbot A's Response]\nIt is 4.\n"

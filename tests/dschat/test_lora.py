@@ -12,7 +12,8 @@ from dschat.checkpoint import save_hf
 from dschat.config import EngineArgs, LoraArgs, OptimArgs, flag_specs
 from dschat.errors import UserError
 from dschat.lora import ADAPTER_DIR, lora_param_groups, merged_state_dict, target_module_names
-from dschat.models import create_causal_lm, create_reward_model, hf_model, load_tokenizer, resolve_model
+from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.reward_model import hf_model
 
 LR = 1e-2
 IDS = torch.randint(4, 100, (2, 8), generator=torch.Generator().manual_seed(0))  # no pad (3) inside: ids >= 4
@@ -196,8 +197,8 @@ def test_merge_handles_gpt2_conv1d_and_a_peft_model_wrapper():
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-    from dschat.demo.model import tiny_model_config
     from dschat.lora import apply_lora
+    from dschat.tiny import tiny_model_config
 
     # GPT-2's Conv1D stores (in, out): the update must be transposed (PEFT's fan_in_fan_out).
     torch.manual_seed(0)

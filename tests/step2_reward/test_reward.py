@@ -10,7 +10,7 @@ import torch
 
 from dschat.config import OptimArgs, RewardConfig, build_config
 from dschat.data import DataCollatorReward
-from dschat.demo import generate_pairwise
+from dschat.demo import demo_data, generate_pairwise
 from dschat.demo.corpus import prompt_question
 from dschat.stage import DEFAULT_LR, TINY_LR, eval_loader, learning_rate
 from tests.helpers import read_json, read_jsonl, run_cli
@@ -53,7 +53,7 @@ def demo_rows():
     from dschat.models import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("tiny"))
-    data = load_phase(DataArgs(), 2, tok, 1234, log=lambda _: None)
+    data = load_phase(DataArgs(), 2, tok, 1234, log=lambda _: None, default_data=demo_data)
     return data.eval[:12]
 
 
@@ -226,7 +226,7 @@ def test_two_ranks_zero3_exact_eval_with_uneven_shards(tmp_path):
     assert ev["eval_pairs"] == 9 and read_json(out / "args.json")["world_size"] == 2
 
     tok = load_tokenizer(str(out / "model"))
-    rows = load_phase(DataArgs(max_eval_rows=9), 2, tok, 1234, log=lambda _: None).eval
+    rows = load_phase(DataArgs(max_eval_rows=9), 2, tok, 1234, log=lambda _: None, default_data=demo_data).eval
     rm = create_reward_model(str(out / "model"), pad_token_id=tok.pad_token_id)
     single = evaluate_reward(rm, eval_loader(rows, 4, DataCollatorReward(tok.pad_token_id)))
     assert single.pairs == 9

@@ -12,7 +12,7 @@ import torch
 
 from dschat import engine as E
 from dschat.config import build_config, flag_specs
-from dschat.data.phases import demo_files
+from dschat.demo import demo_files
 from dschat.errors import UserError
 from dschat.models import resolve_model
 from dschat.pipeline import GRPO_SFT_FOLDER, parse_stages, stage_argv

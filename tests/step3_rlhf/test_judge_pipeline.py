@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dschat.config import build_config
-from dschat.data.phases import demo_files
+from dschat.demo import demo_files
 from dschat.errors import UserError
 from dschat.judge import JUDGE, parse_verdict
 from dschat.pipeline import FOLDERS, JUDGE_SFT_FOLDER, parse_stages, stage_argv, summarize
@@ -145,7 +145,8 @@ def test_grpo_with_a_judge_reward_runs_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_judge_runs_sft_grpo_and_both_evals(tmp_path):
-    from dschat.demo.corpus import generate_judge_pairs, write_jsonl
+    from dschat.demo.corpus import generate_judge_pairs
+    from dschat.utils import write_jsonl
     from tests.helpers import run_cli
 
     held = write_jsonl(generate_judge_pairs(4, seed=9), tmp_path / "held.jsonl")
