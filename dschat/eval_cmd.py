@@ -49,7 +49,7 @@ def eval_command(step: int, judge: bool, model: str, data_: tuple[str, ...], out
         s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p,
                          batch_size=batch_size, seed=seed)
         metrics = evaluate_judge_files(model, list(data_), s, judge_system_prompt, dtype, trust_remote_code,
-                                       progress=progress)
+                                       progress=progress, log=lambda text: click.echo(text, err=True))
         print_judge_metrics(metrics)
         if output:
             write_json(output, metrics)

@@ -33,7 +33,6 @@ from dschat.prompts import (
     HUMAN_PREFIX,
     ZH_RUBRIC,
     Messages,
-    inject_system_prompt,
     is_english,
     judge_user_message,
     read_system_prompt,
@@ -441,12 +440,15 @@ class JudgeRow:
     where: str
 
 
-def load_judge_rows(data: Sequence[str], system: str | None = None) -> tuple[list[JudgeRow], dict[str, int]]:
+def load_judge_rows(data: Sequence[str], system: str | None = None,
+                    log: Callable[[str], None] = lambda _: None) -> tuple[list[JudgeRow], dict[str, int]]:
     """Every row of judge-pairwise sources (a source's own test split included), with ``system`` injected as in
-    training (``--judge-system-prompt``). Empty rows are dropped and counted; other formats are a user error."""
+    training (``--judge-system-prompt``). Rows are read as training reads them (``dschat.data.formats.parse_rows``):
+    empty and malformed rows are dropped and counted (``dropped_<reason>``), and a source that is mostly malformed
+    stops; a source of another format is a user error."""
     # dschat.data imports torch: here, so that importing this module stays cheap
     from dschat.data.formats import JUDGE as JUDGE_FORMAT
-    from dschat.data.formats import Dropped, describe_keys, detect_format, parse_row
+    from dschat.data.formats import check_malformed, describe_keys, detect_format, parse_rows
     from dschat.data.sources import DataSpec, load_source
 
     rows: list[JudgeRow] = []
@@ -460,12 +462,7 @@ def load_judge_rows(data: Sequence[str], system: str | None = None) -> tuple[lis
         if fmt != JUDGE_FORMAT:
             raise UserError(f"{raw.name}: judging needs judge-pairwise rows (context_messages + winner); this source "
                             f"is {fmt or 'of no known format'} (fields: {describe_keys(raw_rows[0])})")
-        for row in raw_rows:
-            try:
-                ex = parse_row(row, JUDGE_FORMAT)
-            except Dropped as e:
-                counts[f"dropped_{e.reason}"] += 1
-                continue
-            messages = inject_system_prompt(ex.prompt, system)  # type: ignore[arg-type]
-            rows.append(JudgeRow(messages, str(ex.answer), ex.where))
+        examples, problems = parse_rows(raw_rows, JUDGE_FORMAT, counts, system)
+        check_malformed(problems, len(raw_rows), raw.name, log)
+        rows += [JudgeRow(ex.prompt, str(ex.answer), ex.where) for ex in examples]  # type: ignore[arg-type]
     return rows, dict(counts)

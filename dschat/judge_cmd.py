@@ -52,10 +52,11 @@ def sampling_options(fn: Any) -> Any:
 def evaluate_judge_files(model: str, data: list[str], s: SamplingArgs, system_prompt: str = "", dtype: str = "auto",
                          trust_remote_code: bool = False, progress: bool = True,
                          log: Any = lambda _: None) -> dict[str, Any]:
-    """Judge accuracy, unparseable rate and position bias of ``model`` on every row of ``data`` (SPEC 7)."""
+    """Judge accuracy, unparseable rate and position bias of ``model`` on every row of ``data`` (SPEC 7). Rows
+    that training would drop (empty, malformed) are dropped and counted here too (``dropped_*`` in the result)."""
     s.check()
     system = read_system_prompt(system_prompt) if system_prompt else None
-    rows, counts = load_judge_rows(data, system)
+    rows, counts = load_judge_rows(data, system, log)
     if not rows:
         raise UserError(f"no judge rows to evaluate in {', '.join(data)} ({counts})")
     t0 = time.time()
@@ -83,6 +84,9 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
 
     click.echo(f"judge: {m['model']}")
     click.echo(f"rows: {m['n']} (winner A {m['rows_winner_a']}, B {m['rows_winner_b']}), votes {m['votes']}")
+    dropped = {k.removeprefix("dropped_"): v for k, v in sorted(m.items()) if k.startswith("dropped_") and v}
+    if dropped:
+        click.echo("dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
     click.echo(f"accuracy: {f(m['accuracy'])} ± {f(m['accuracy_se'])}")
     click.echo(f"unparseable_rate: {f(m['unparseable_rate'])}")
     click.echo(f"accuracy_when_a: {f(m['accuracy_when_a'])}")

@@ -6,12 +6,14 @@ required field is a user error naming the file, line and field; an empty value o
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.data.sources import WHERE
 from dschat.errors import UserError
-from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX
+from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, inject_system_prompt
 
 PAIRWISE = "pairwise"
 CONV_PAIRWISE = "conversational_pairwise"
@@ -204,6 +206,48 @@ def parse_row(row: dict[str, Any], fmt: str) -> Example:
         chosen = None if response is None else _assistant_text(row, response, "response")
         return Example(msgs, chosen=chosen, answer=winner, extra=extra, where=where)
     raise ValueError(f"unknown format {fmt}")
+
+
+def parse_rows(rows: Sequence[dict[str, Any]], fmt: str, counts: Counter[str],
+               judge_system: str | None = None) -> tuple[list[Example], list[str]]:
+    """``parse_row`` over the rows of one source detected as ``fmt``, dropping and counting what it refuses
+    (SPEC 2): an unusable row under ``dropped_<reason>``, a malformed one (a missing or mistyped field) under
+    ``dropped_malformed``. Judge rows get ``judge_system`` as their rubric unless they have one.
+
+    Returns the examples and the malformed rows' messages, for ``check_malformed``. Training, evaluation and
+    ``dschat eval --judge`` all read rows through here, so they keep and drop the same rows.
+    """
+    out: list[Example] = []
+    problems: list[str] = []
+    for row in rows:
+        try:
+            ex = parse_row(row, fmt)
+        except Dropped as d:
+            counts[f"dropped_{d.reason}"] += 1
+            continue
+        except UserError as bad:
+            counts["dropped_malformed"] += 1
+            problems.append(str(bad))
+            continue
+        if fmt == JUDGE and judge_system:
+            # The rubric goes first and the A/B answers stay where they are (positions are the label).
+            ex.prompt = inject_system_prompt(ex.prompt, judge_system)  # type: ignore[arg-type]
+        out.append(ex)
+    return out, problems
+
+
+def check_malformed(problems: list[str], seen: int, name: str, log: Callable[[str], None], scope: str = "") -> None:
+    """Stop when most of the ``seen`` rows of source ``name`` were malformed (a wrong file or wrong field names,
+    not a few bad rows); else log the first three messages. ``scope`` follows the source's name in the error
+    (e.g. `` in this phase``)."""
+    if not problems:
+        return
+    if 2 * len(problems) > seen:
+        raise UserError(f"{problems[0]} ({len(problems)} of {seen} rows of {name}{scope} are malformed)")
+    for text in problems[:3]:
+        log(f"data: dropped a malformed row: {text}")
+    if len(problems) > 3:
+        log(f"data: ... and {len(problems) - 3} more malformed rows in {name}")
 
 
 # ------------------------------------------------------------------------------------------------ rendering

@@ -23,19 +23,18 @@ from typing import Any
 from dschat.config import DataArgs
 from dschat.data.formats import (
     FORMATS,
-    JUDGE,
-    Dropped,
     Example,
+    check_malformed,
     describe_keys,
     detect_format,
-    parse_row,
+    parse_rows,
     render_answer,
     render_prompt,
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.diskfull import DiskFull, free_bytes, human_bytes
 from dschat.errors import UserError
-from dschat.prompts import inject_system_prompt, read_system_prompt
+from dschat.prompts import read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import atomic_write_text, cache_root, stable_hash
 
@@ -100,26 +99,6 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
         raise UserError(f"{raw.train[0].get(WHERE, raw.name)}: cannot tell the row format from its fields "
                         f"({describe_keys(raw.train[0])}); expected one of {', '.join(FORMATS)} (SPEC section 2)")
 
-    problems: list[str] = []
-
-    def parse(rows: list[dict[str, Any]]) -> list[Example]:
-        out = []
-        for row in rows:
-            try:
-                ex = parse_row(row, fmt)
-            except Dropped as d:
-                counts[f"dropped_{d.reason}"] += 1
-                continue
-            except UserError as bad:  # a missing or mistyped field: dropped and counted (SPEC 2), reported below
-                counts["dropped_malformed"] += 1
-                problems.append(str(bad))
-                continue
-            if fmt == JUDGE and judge_system:
-                # The rubric goes first and the A/B answers stay where they are (positions are the label).
-                ex.prompt = inject_system_prompt(ex.prompt, judge_system)  # type: ignore[arg-type]
-            out.append(ex)
-        return out
-
     part = [raw.train[i] for i in split_indices(len(raw.train), split, seed, phase)]
     if raw.test is not None:
         train_rows, eval_rows = part, list(raw.test)
@@ -132,16 +111,10 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
         eval_rows, train_rows = part[:n_eval], part[n_eval:]
     if data.max_eval_rows and len(eval_rows) > data.max_eval_rows:
         eval_rows = eval_rows[: data.max_eval_rows]
-    train, evals = parse(_weighted(train_rows, spec.weight)), parse(eval_rows)
-    if problems:
-        seen = len(train) + len(evals) + sum(counts.values())
-        if 2 * len(problems) > seen:  # mostly malformed: a wrong file or wrong field names, not a few bad rows
-            raise UserError(f"{problems[0]} ({len(problems)} of {seen} rows of {raw.name} in this phase are "
-                            "malformed)")
-        for text in problems[:3]:
-            log(f"data: dropped a malformed row: {text}")
-        if len(problems) > 3:
-            log(f"data: ... and {len(problems) - 3} more malformed rows in {raw.name}")
+    train, problems = parse_rows(_weighted(train_rows, spec.weight), fmt, counts, judge_system)
+    evals, eval_problems = parse_rows(eval_rows, fmt, counts, judge_system)
+    problems += eval_problems
+    check_malformed(problems, len(train) + len(evals) + sum(counts.values()), raw.name, log, " in this phase")
     return fmt, train, evals, counts
 
 

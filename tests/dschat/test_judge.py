@@ -258,6 +258,25 @@ def test_batched_left_padded_greedy_equals_one_by_one_and_votes_are_seeded(tok):
     assert cut == 5 and all(len(x) == 50 and x[0] == tok.bos_token_id for x in cut_ids)
 
 
+def test_judge_rows_are_read_as_training_reads_them(tmp_path):
+    """A malformed row (a bad winner, a missing field) is dropped and counted, as the training loader does, not a
+    reason to stop; a source that is mostly malformed still stops; the rubric is injected as in training."""
+    from dschat.judge import load_judge_rows
+
+    rows = generate_judge_pairs(6, seed=2, with_rubric=False)
+    bad = [{**rows[0], "winner": "model_c"}, {"winner": "model_a", "context_messages": "not messages"}]
+    write_jsonl(rows + bad, tmp_path / "mixed.jsonl")
+    logged: list[str] = []
+    got, counts = load_judge_rows([str(tmp_path / "mixed.jsonl")], "Be fair.", log=logged.append)
+    assert len(got) == 6 and counts == {"dropped_malformed": 2}
+    assert [r.winner for r in got] == [r["winner"] for r in rows]
+    assert all(r.messages[0] == {"role": "system", "content": "Be fair."} for r in got)
+    assert len(logged) == 2 and "mixed.jsonl:7: field 'winner' must be" in logged[0]
+    write_jsonl(rows[:1] + bad, tmp_path / "mostly_bad.jsonl")
+    with pytest.raises(UserError, match=r"\(2 of 3 rows of .*mostly_bad\.jsonl are malformed\)"):
+        load_judge_rows([str(tmp_path / "mostly_bad.jsonl")])
+
+
 def test_evaluate_judge_files_in_process(tmp_path):
     from dschat.judge_cmd import evaluate_judge_files
 
