@@ -8,7 +8,7 @@ progress and step counting are the same for both (``dschat.stage``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ class OneModelStage:
     logged: tuple[str, ...]  # keys of ``evaluate``'s metrics logged as eval/<key>
     describe: str = ""  # extra words for the start-up line
     check_data: Callable[[PhaseData, Callable[[str], None]], None] | None = None  # (data, log): notes or errors
+    default_data: Callable[[], Sequence[str]] | None = None  # --data when none is given (the mains: the demo's)
 
 
 @dataclass
@@ -70,7 +71,7 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     with E.main_process_first():  # rank 0 materialises the tiny preset and the data cache; the rest read them
         model_path = resolve_model(cfg.model.model)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        data = load_phase(cfg.data, spec.phase, tokenizer, cfg.run.seed, log=quiet)
+        data = load_phase(cfg.data, spec.phase, tokenizer, cfg.run.seed, log=quiet, default_data=spec.default_data)
     if spec.check_data is not None:
         spec.check_data(data, stage.log)
     collator = spec.collator(tokenizer.pad_token_id)

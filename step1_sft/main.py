@@ -25,6 +25,7 @@ from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
+from dschat.demo import demo_data
 from dschat.models import create_causal_lm
 from dschat.stage import lockstep_batches, to_device
 from dschat.supervised import OneModelStage, train_one_model
@@ -62,7 +63,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         return {"loss": loss.item(), "tokens": float(batch["attention_mask"].sum())}
 
     spec = OneModelStage(
-        name="step1_sft", phase=1, collator=DataCollatorSFT, evaluate=evaluate_perplexity,
+        name="step1_sft", phase=1, collator=DataCollatorSFT, default_data=demo_data, evaluate=evaluate_perplexity,
         logged=("perplexity", "loss"), micro_step=micro_step,
         make_model=lambda path, dtype, tok: create_causal_lm(path, dtype, cfg.model.dropout,
                                                              cfg.model.gradient_checkpointing,

@@ -26,6 +26,7 @@ from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.config import RewardConfig
 from dschat.data import DataCollatorReward
+from dschat.demo import demo_data
 from dschat.losses import pairwise_metrics
 from dschat.models import create_reward_model
 from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss
@@ -60,6 +61,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     spec = OneModelStage(
         name="step2_reward", phase=2, collator=DataCollatorReward, logged=EVAL_KEYS, micro_step=micro_step,
+        default_data=demo_data,
         evaluate=lambda engine, loader: evaluate_reward(engine, loader).as_dict(),
         make_model=lambda path, dtype, tok: make_model(cfg, path, dtype, tok), describe=f" | loss {cfg.reward.rm_loss}",
         check_data=lambda data, log: log("note: rows carry a 'margin'; only --rm-loss last-token uses it")

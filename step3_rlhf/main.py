@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -26,7 +25,7 @@ from dschat import engine as E
 from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.data import DataCollatorRLHF, load_phase
-from dschat.data.phases import demo_files
+from dschat.demo import demo_data
 from dschat.errors import UserError
 from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
 from dschat.models import load_tokenizer, resolve_model
@@ -45,10 +44,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     Algo, d, o, rl = cfg.algorithm, cfg.data, cfg.optim, cfg.rl
     stage = begin_stage(cfg, "step3_rlhf", f"output/{Algo.output_name}")
     tok = load_tokenizer(resolve_model(cfg.actor.model), cfg.model.trust_remote_code)
-    if Algo.demo_data and not d.data:  # e.g. the demo's prompts with checkable answers for the rule rewards
-        d = replace(d, data=[str(demo_files()[Algo.demo_data])])
-    with E.main_process_first():
-        data = load_phase(d, 3, tok, cfg.run.seed, log=stage.log if E.is_main() else (lambda _: None))
+    with E.main_process_first():  # without --data: the algorithm's demo file (e.g. prompts with checkable answers)
+        data = load_phase(d, 3, tok, cfg.run.seed, log=stage.log if E.is_main() else (lambda _: None),
+                          default_data=lambda: demo_data(Algo.demo_data))
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
     collator = DataCollatorRLHF(tok.pad_token_id)
     prompts = train_loader(data.train, rl.per_device_generation_batch_size, collator, cfg.run.seed)

@@ -83,7 +83,7 @@ class PPO:
     help = "PPO with actor, critic, reference and reward model (SPEC 5)"
     uses = frozenset({"ppo", "critic", "critic_optim", "critic_engine", "critic_lora"})
     output_name = "step3_rlhf"  # the default --output-dir under output/
-    demo_data = None  # without --data: the demo corpus's phase-3 prompts
+    demo_data = "pairwise"  # without --data: the demo corpus (its phase-3 prompts)
 
     @staticmethod
     def needs(cfg: Any) -> set[str]:
