@@ -60,3 +60,42 @@ def run_stage(cfg):
 
     step = 2 if isinstance(cfg, RewardConfig) else 1 if isinstance(cfg, SFTConfig) else 3
     return stage_module(step).run(cfg)
+
+
+def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600) -> tuple[list[int], list[str]]:
+    """Two ``launch/multi_node_no_ssh.sh`` launchers as two nodes on this machine (hostfile ``localhost`` and
+    ``127.0.0.1``, one CPU rank each, meeting at 127.0.0.1 over gloo), running stage 1 with ``args_of_rank(r)``.
+
+    Returns the exit codes and the logs. Each launcher has a session of its own, so a timeout ends it and the
+    ranks it started.
+    """
+    import contextlib
+    import signal
+    import socket
+
+    from dschat.models import resolve_model
+
+    resolve_model("tiny")  # built once here: both launchers would otherwise race to build it in the shared cache
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "HOSTFILE": str(hostfile), "STEP": "1"}
+    env.pop("DRY_RUN", None)
+    procs = []
+    with contextlib.ExitStack() as stack:
+        for rank in (0, 1):
+            log = stack.enter_context(open(tmp_path / f"node{rank}.log", "w"))
+            procs.append(subprocess.Popen([str(ROOT / "launch" / "multi_node_no_ssh.sh"), *args_of_rank(rank)],
+                                          cwd=tmp_path, env={**env, "NODE_RANK": str(rank)}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    return codes, [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]

@@ -1,16 +1,13 @@
 """The scripts in ``launch/``: they parse, forward their arguments, and a two-"node" run on this machine works
 through ``multi_node_no_ssh.sh`` (two launchers with --no_ssh, one per node rank, meeting at 127.0.0.1)."""
 
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, read_json
+from tests.helpers import ROOT, read_json, run_two_nodes
 
 LAUNCH = ROOT / "launch"
 SCRIPTS = ["single_process.sh", "single_node.sh", "multi_node_hostfile.sh", "multi_node_no_ssh.sh", "slurm.sbatch"]
@@ -67,42 +64,13 @@ def test_scripts_reject_missing_settings(tmp_path):
     assert proc.returncode == 2 and "STEP" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_nodes_without_ssh_on_localhost(tmp_path):
     """Two launchers, as if on two nodes, each starting one CPU rank; they meet at 127.0.0.1 (gloo)."""
-    from dschat.models import resolve_model
-
-    # Build the tiny preset once here: both launchers would otherwise race to build it in the shared cache.
-    resolve_model("tiny")
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "HOSTFILE": str(hostfile), "STEP": "1"}
-    env.pop("DRY_RUN", None)
     args = ["--model", "tiny", "--output-dir", str(out), "--max-steps", "4", "--no-progress", "--force"]
-    procs = []
-    with contextlib.ExitStack() as stack:
-        for rank in (0, 1):
-            log = stack.enter_context(open(tmp_path / f"node{rank}.log", "w"))
-            # A session of its own per launcher, so a timeout can end the launcher and the ranks it started.
-            procs.append(subprocess.Popen([str(LAUNCH / "multi_node_no_ssh.sh"), *args], cwd=tmp_path,
-                                          env={**env, "NODE_RANK": str(rank)}, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-    tails = "\n".join((tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
+    codes, logs = run_two_nodes(tmp_path, lambda rank: args)
+    tails = "\n".join(log[-3000:] for log in logs)
     assert codes == [0, 0], tails
 
     assert read_json(out / "args.json")["world_size"] == 2

@@ -3,10 +3,8 @@ share it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +13,7 @@ import time
 import pytest
 
 from dschat.lock import LOCK_NAME
-from tests.helpers import ROOT, read_jsonl, run_cli
+from tests.helpers import ROOT, read_jsonl, run_cli, run_two_nodes
 from tests.reliability.conftest import TRAIN, fresh_copy, one_line_error
 
 
@@ -79,41 +77,13 @@ def test_output_dir_that_cannot_be_written(tmp_path):
     one_line_error(proc, path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_nodes_without_a_shared_output_folder_stop_with_one_line(tmp_path, small_data):
     """Two launchers as two nodes on this machine (as tests/test_launch.py), each node with its own output
     folder: every rank stops at the start with the same line instead of disagreeing about checkpoints later."""
-    from dschat.models import resolve_model
-
-    resolve_model("tiny")
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "HOSTFILE": str(hostfile), "STEP": "1"}
-    env.pop("DRY_RUN", None)
-    procs = []
-    with contextlib.ExitStack() as stack:
-        for rank in (0, 1):
-            log = stack.enter_context(open(tmp_path / f"node{rank}.log", "w"))
-            args = ["--model", "tiny", "--data", str(small_data), "--max-seq-len", "64", "--max-steps", "2",
-                    "--no-progress", "--output-dir", str(tmp_path / f"node{rank}-out")]
-            procs.append(subprocess.Popen([str(ROOT / "launch" / "multi_node_no_ssh.sh"), *args], cwd=tmp_path,
-                                          env={**env, "NODE_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-    logs = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+    codes, logs = run_two_nodes(tmp_path, lambda rank: [
+        "--model", "tiny", "--data", str(small_data), "--max-seq-len", "64", "--max-steps", "2", "--no-progress",
+        "--output-dir", str(tmp_path / f"node{rank}-out")], timeout=300)
     assert all(c != 0 for c in codes), logs
     for log in logs:
         errors = {line.split("dschat: error: ", 1)[1] for line in log.splitlines() if "dschat: error: " in line}
