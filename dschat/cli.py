@@ -63,7 +63,11 @@ def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: 
                 values[key] = list(value) if isinstance(value, tuple) else value
         cfg = build_config(config_cls, values)
         refuse_inert(cfg, set(values))  # before any data or model loads
-        return run(cfg)
+        result = run(cfg)
+        from dschat.engine import teardown_distributed  # the stage has imported it already
+
+        teardown_distributed()
+        return result
 
     return click.Command(name, params=params, callback=callback, help=help,
                          context_settings={"max_content_width": 110})

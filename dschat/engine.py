@@ -45,6 +45,16 @@ def setup_distributed() -> None:
         torch.cuda.set_device(local_rank())
 
 
+def teardown_distributed() -> None:
+    """End a launched run's process group together: every rank waits for the others, then the group is destroyed
+    (its communication threads joined) before the interpreter exits. Left to interpreter exit, a rank whose peers
+    had already gone could abort in the gloo threads' teardown ("terminate called without an active exception").
+    A world of one keeps its group, so in-process callers can run several stages."""
+    if is_distributed() and world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,8 +82,6 @@ def _quiet_transformers() -> None:
 
 def tiny_model_dir() -> Path:
     """Materialise the ``tiny`` preset (config, seeded weights, demo tokenizer) once; return its folder."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
     # The folder name covers everything that shapes the preset, so a changed tokenizer or config never
     # reuses a stale folder.
     digest = stable_hash([hashlib.sha256(Path(TOKENIZER_MODEL_PATH).read_bytes()).hexdigest(),
@@ -91,6 +90,24 @@ def tiny_model_dir() -> Path:
     if (final / "config.json").exists():
         return final
     _quiet_transformers()
+    try:
+        _build_tiny(final)
+    except _NoWeights:
+        # Under a launcher transformers writes weights from the main process only: another rank's copy came out
+        # without them and was discarded, so wait for the main process's (it builds the same folder).
+        deadline = time.time() + 600
+        while not (final / "config.json").exists():
+            if time.time() > deadline:
+                raise UserError(f"{final}: the tiny preset was not built by the main process within 10 minutes") \
+                    from None
+            time.sleep(0.5)
+    return final
+
+
+def _build_tiny(final: Path) -> None:
+    """Build the tiny preset into ``final`` atomically (``_NoWeights`` when this process's copy had none)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
     with atomic_dir(final, replace=False) as tmp:
         save_tiny_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(tmp)
@@ -100,7 +117,12 @@ def tiny_model_dir() -> Path:
         model = LlamaForCausalLM(config)
         torch.random.set_rng_state(gen)
         model.save_pretrained(tmp)
-    return final
+        if not (tmp / "config.json").is_file():
+            raise _NoWeights  # atomic_dir discards this copy
+
+
+class _NoWeights(Exception):
+    """A tiny-preset build whose ``save_pretrained`` wrote nothing (not the main process of a launched run)."""
 
 
 def resolve_model(name: str) -> str:
