@@ -37,6 +37,7 @@ __all__ = [
     "PolicyLossOutput",
     "ValueLossOutput",
     "approx_kl",
+    "discounted_returns",
     "dpo_loss",
     "dynamic_sampling_mask",
     "end_indices",
@@ -47,6 +48,7 @@ __all__ = [
     "kl_penalized_rewards",
     "last_token_pairwise_loss",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_var",
     "overlong_penalty",
@@ -54,8 +56,11 @@ __all__ = [
     "pairwise_metrics",
     "ppo_policy_loss",
     "ppo_value_loss",
+    "remax_advantages",
+    "rloo_advantages",
     "selective_log_softmax",
     "whiten",
+    "whiten_from_moments",
 ]
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -751,6 +756,112 @@ def dynamic_sampling_mask(rewards: torch.Tensor, num_generations: int) -> torch.
     grouped = rewards.view(-1, num_generations)  # (P, G)
     varied = grouped.amax(dim=1) != grouped.amin(dim=1)  # (P,)
     return varied.repeat_interleave(num_generations)
+
+
+# --------------------------------------------------------------------------------------------------
+# Critic-free estimators (SPEC 7): RLOO, REINFORCE++, ReMax
+# --------------------------------------------------------------------------------------------------
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024, "Back to Basics", eq. 5; Kool et al. 2019): each completion's
+    reward minus the mean reward of the other ``k - 1`` completions of its prompt,
+    ``A_i = r_i - 1/(k-1) * sum_{j != i} r_j``, which equals ``k/(k-1) * (r_i - mean_group)``.
+
+    The baseline leaves ``r_i`` out, so it does not depend on completion ``i`` and the estimator is unbiased
+    (GRPO's group mean includes ``r_i``). No std scaling.
+
+    Args:
+        rewards: ``(N,)`` with ``N = P * k``, ``k`` consecutive completions per prompt.
+        num_generations: ``k >= 2``.
+
+    Returns:
+        ``(N,)`` advantages, one per completion (broadcast over its tokens by the loss).
+    """
+    if num_generations < 2 or rewards.dim() != 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} (>= 2) "
+                         f"entries, got shape {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, num_generations)  # (P, k)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)  # (P, k) leave-one-out mean
+    return (grouped - others).view(-1)
+
+
+def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> torch.Tensor:
+    """ReMax advantages (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models", Algorithm 1): each sampled answer's reward minus the reward of the greedy
+    answer to the same prompt, ``A_i = r(x, a_i) - r(x, a_greedy)``. The greedy answer does not depend on the
+    sample, so the baseline keeps the estimator unbiased; no scaling.
+
+    Args:
+        rewards: ``(N,)`` sampled answers.
+        greedy_rewards: ``(N,)`` the greedy answer's reward of each row's prompt (repeated per sample).
+
+    Returns:
+        ``(N,)`` advantages, one per completion.
+    """
+    if rewards.shape != greedy_rewards.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and greedy_rewards {tuple(greedy_rewards.shape)} must be "
+                         "the same 1-D shape")
+    return rewards.float() - greedy_rewards.float()
+
+
+@torch.no_grad()
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted return of every answer token, ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the kept tokens
+    (REINFORCE++, Hu 2025, eq. 3-4; the same as ``gae`` with ``V = 0`` and ``lam = 1``).
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards, e.g. ``kl_penalized_rewards``.
+        action_mask: ``(B, T)``; masked positions add nothing and come back as 0.
+        gamma: discount (REINFORCE++ uses 1).
+
+    Returns:
+        ``(B, T)`` returns.
+    """
+    keep = action_mask.bool()
+    r = torch.where(keep, rewards.float(), 0.0)  # (B, T)
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])  # (B,) G_{t+1}
+    for t in reversed(range(r.size(1))):
+        running = torch.where(keep[:, t], r[:, t] + gamma * running, running)  # padding passes the carry on
+        out[:, t] = running
+    return torch.where(keep, out, 0.0)
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` of ``x`` over the kept positions, in float64: the statistics that add
+    up across micro-batches and ranks. Summed over shards (the caller all-reduces), they give the whole batch's
+    mean and variance for ``whiten_from_moments``; float64 keeps ``E[x^2] - E[x]^2`` from cancelling.
+
+    Args:
+        x, mask: ``(B, T)``.
+
+    Returns:
+        ``(3,)`` float64.
+    """
+    keep = mask.bool()
+    v = torch.where(keep, x.double(), 0.0)
+    return torch.stack([keep.sum().double(), v.sum(), (v * v).sum()])
+
+
+def whiten_from_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor,
+                        eps: float = 1e-8) -> torch.Tensor:
+    """``whiten`` with the mean and (unbiased) variance of a larger batch given by its summed
+    ``masked_moments``: REINFORCE++ normalises advantages over the whole global batch (Hu 2025, sec. 3.3), not
+    per micro-batch. With the moments of ``x`` itself it equals ``whiten(x, mask)``.
+
+    Args:
+        x, mask: ``(B, T)``.
+        moments: ``(3,)`` ``[count, sum, sum of squares]`` of the whole batch.
+
+    Returns:
+        ``(B, T)``, 0 where masked.
+    """
+    n, s, ss = moments.double().unbind()
+    mean = s / n.clamp(min=1)
+    var = ((ss - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0.0)  # Bessel, as ``whiten``
+    out = ((x.double() - mean) * torch.rsqrt(var + eps)).to(torch.float32)
+    return torch.where(mask.bool(), out, 0.0)
 
 
 # --------------------------------------------------------------------------------------------------

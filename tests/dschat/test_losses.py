@@ -16,6 +16,7 @@ from dschat.losses import (
     AdaptiveKLController,
     FixedKLController,
     approx_kl,
+    discounted_returns,
     dpo_loss,
     dynamic_sampling_mask,
     end_indices,
@@ -27,6 +28,7 @@ from dschat.losses import (
     kl_penalized_rewards,
     last_token_pairwise_loss,
     masked_mean,
+    masked_moments,
     masked_sum,
     masked_var,
     overlong_penalty,
@@ -34,8 +36,11 @@ from dschat.losses import (
     pairwise_metrics,
     ppo_policy_loss,
     ppo_value_loss,
+    remax_advantages,
+    rloo_advantages,
     selective_log_softmax,
     whiten,
+    whiten_from_moments,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -717,3 +722,99 @@ def test_import_does_not_pull_deepspeed_or_transformers():
         "sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'transformers'))"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Critic-free estimators: RLOO, REINFORCE++ (and its group baseline), ReMax
+# --------------------------------------------------------------------------------------------------
+
+
+def test_rloo_leave_one_out_by_hand():
+    # group 1 (k = 3): [1, 2, 6]
+    #   A_0 = 1 - (2 + 6)/2 = -3, A_1 = 2 - (1 + 6)/2 = -1.5, A_2 = 6 - (1 + 2)/2 = 4.5
+    #   (= k/(k-1) * (r - mean) = 1.5 * ([1, 2, 6] - 3))
+    # group 2, equal rewards [4, 4, 4]: each baseline is 4, so A = 0 (no gradient, no NaN)
+    adv = rloo_advantages(torch.tensor([1.0, 2.0, 6.0, 4.0, 4.0, 4.0]), 3)
+    torch.testing.assert_close(adv, torch.tensor([-3.0, -1.5, 4.5, 0.0, 0.0, 0.0]), rtol=0, atol=1e-6)
+    # k = 2: each answer against the other, r_i - r_j
+    torch.testing.assert_close(rloo_advantages(torch.tensor([0.5, -1.0]), 2), torch.tensor([1.5, -1.5]))
+    # against the closed form k/(k-1) * (r - group mean), on random rewards
+    r = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rloo_advantages(r, 4), 4 / 3 * group_advantages(r, 4, "none"), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError):
+        rloo_advantages(torch.ones(3), 1)  # one sample has no "others"
+    with pytest.raises(ValueError):
+        rloo_advantages(torch.ones(5), 2)
+
+
+def test_remax_greedy_baseline_by_hand():
+    # prompt 1: samples 1.0, 0.5 vs greedy 0.5 -> 0.5, 0; prompt 2: sample -1 vs greedy 0 -> -1
+    adv = remax_advantages(torch.tensor([1.0, 0.5, -1.0]), torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(adv, torch.tensor([0.5, 0.0, -1.0]), rtol=0, atol=0)
+    # every sample as good as the greedy answer: no gradient
+    assert remax_advantages(torch.full((4,), 2.0), torch.full((4,), 2.0)).abs().max() == 0
+    with pytest.raises(ValueError):
+        remax_advantages(torch.ones(4), torch.ones(2))
+
+
+def test_discounted_returns_by_hand_with_padding_and_without_eos():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 9.0],  # stopped at EOS after 3 tokens; 9 sits on padding
+                            [0.0, 0.0, 0.0, 4.0],  # never reached EOS: every column is an answer token
+                            [5.0, 5.0, 5.0, 5.0]])  # dropped short answer: all-zero mask
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    # gamma 0.5, row 0: G2 = 3, G1 = 2 + 0.5*3 = 3.5, G0 = 1 + 0.5*3.5 = 2.75 (the 9 on padding never enters)
+    # row 1: G3 = 4, G2 = 0.5*4 = 2, G1 = 1, G0 = 0.5
+    out = discounted_returns(rewards, mask, 0.5)
+    torch.testing.assert_close(out, torch.tensor([[2.75, 3.5, 3.0, 0.0], [0.5, 1.0, 2.0, 4.0], [0.0] * 4]),
+                               rtol=0, atol=1e-6)
+    # the same as GAE with V = 0 and lambda = 1
+    torch.testing.assert_close(out, gae(torch.zeros(3, 4), rewards, mask, 0.5, 1.0).advantages, rtol=0, atol=1e-6)
+
+
+def test_reinforce_pp_token_rewards_then_returns_by_hand():
+    # REINFORCE++ per token: r_t = -kl_ctl * (logp - ref) + score at the last answer token; gamma 1.
+    logp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-1.5, -1.0, -0.5]])  # logp - ref = [0.5, 0, -0.5]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # row 0 stops after 2 tokens (padding), row 1 has no EOS
+    scores = torch.tensor([2.0, 2.0])
+    rewards = kl_penalized_rewards(logp, ref, scores, mask, kl_ctl=0.1, clip_reward_value=5.0)
+    # row 0: [-0.05, 0 + 2, pad 0]; row 1: [-0.05, 0, +0.05 + 2 = 2.05]
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 2.0, 0.0], [-0.05, 0.0, 2.05]]), rtol=0, atol=1e-6)
+    # returns (sum of what follows): row 0: [1.95, 2, 0]; row 1: [2.0, 2.05, 2.05]
+    torch.testing.assert_close(discounted_returns(rewards, mask, 1.0),
+                               torch.tensor([[1.95, 2.0, 0.0], [2.0, 2.05, 2.05]]), rtol=0, atol=1e-6)
+
+
+def test_global_whitening_two_shards_equal_the_whole_batch_by_hand():
+    # Kept returns 1, 2 (shard A) and 3 (shard B): mean 2, unbiased var ((1)^2 + 0 + 1^2) / 2 = 1 -> -1, 0, 1.
+    a, mask_a = torch.tensor([[1.0, 2.0, 7.0]]), torch.tensor([[1, 1, 0]])  # 7 on padding
+    b, mask_b = torch.tensor([[3.0, -5.0]]), torch.tensor([[1, 0]])
+    mom_a, mom_b = masked_moments(a, mask_a), masked_moments(b, mask_b)
+    torch.testing.assert_close(mom_a, torch.tensor([2.0, 3.0, 5.0], dtype=torch.float64))  # count, sum, 1 + 4
+    torch.testing.assert_close(mom_b, torch.tensor([1.0, 3.0, 9.0], dtype=torch.float64))
+    total = mom_a + mom_b  # what E.all_reduce_sum gives across two ranks (or two micro-batches)
+    torch.testing.assert_close(whiten_from_moments(a, mask_a, total), torch.tensor([[-1.0, 0.0, 0.0]]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(whiten_from_moments(b, mask_b, total), torch.tensor([[1.0, 0.0]]), rtol=0, atol=1e-6)
+    # whitening each shard alone would not: shard B's single token comes back 0, not 1
+    assert whiten_from_moments(b, mask_b, mom_b)[0, 0].item() == 0.0
+    # random shards of uneven width: concatenated, the same as whiten() over the whole padded batch
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(3, 5, generator=g) * 3 + 1, torch.randn(2, 5, generator=g) * 3 + 1
+    m1, m2 = torch.rand(3, 5, generator=g) > 0.3, torch.rand(2, 5, generator=g) > 0.3
+    moments = masked_moments(x1, m1) + masked_moments(x2, m2)
+    whole = whiten(torch.cat([x1, x2]), torch.cat([m1, m2]))
+    torch.testing.assert_close(torch.cat([whiten_from_moments(x1, m1, moments), whiten_from_moments(x2, m2, moments)]),
+                               whole, rtol=0, atol=1e-5)
+
+
+def test_reinforce_pp_baseline_equal_group_gives_zero_advantages():
+    # reinforce_pp_baseline: scores minus their group mean first. A group of equal scores (and no KL) has zero
+    # return everywhere, and a whole batch of them whitens to 0, not NaN (variance 0 + eps).
+    scores = group_advantages(torch.tensor([3.0, 3.0, 1.0, 1.0]), 2, "none")  # all 0
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    zeros = torch.zeros(4, 3)
+    returns = discounted_returns(kl_penalized_rewards(zeros, zeros, scores, mask, 0.1, 5.0), mask, 1.0)
+    adv = whiten_from_moments(returns, mask, masked_moments(returns, mask))
+    assert torch.equal(adv, torch.zeros(4, 3))
+
