@@ -123,7 +123,7 @@ class RLHFConfig:
 
         mine = self.algorithm.uses
         out = {s.name: f"with --algo {self.rl.algo}" for s in flag_specs(type(self))
-               if s.group in OWNED_GROUPS and s.group not in mine}
+               if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
         names = self.reward_func_names()
         if JUDGE not in names:
             out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})

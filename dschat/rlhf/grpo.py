@@ -4,13 +4,17 @@
 clip-higher, dynamic sampling, soft overlong penalty), gspo (Zheng et al. 2025: sequence-level ratio). One
 ``GRPO.step()``: groups (``make_groups``) -> ``num_iterations`` passes of policy steps (``update``). The loss and
 its aggregation are pure functions in ``dschat.losses``.
+
+The critic-free estimators (``rloo.py``, ``reinforce_pp.py``, ``remax.py``) are this machinery with another
+advantage: they subclass ``GRPO`` and override ``advantages`` (and ``prompt_baselines``, ``needs_old``), and
+read the GRPO flags they list in ``uses`` (``grpo_flags``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -66,13 +70,22 @@ class GRPOArgs:
         return self.overlong_penalty if self.overlong_penalty is not None else self.loss_type == "dapo"
 
 
+def grpo_flags(*without: str) -> frozenset[str]:
+    """``uses`` entries for an algorithm that reads GRPO's flags except ``without`` (``"grpo.<field>"`` each):
+    the flags left out are refused under it, as another algorithm's are."""
+    names = {f.name for f in fields(GRPOArgs)}
+    if unknown := set(without) - names:
+        raise ValueError(f"not GRPO flags: {sorted(unknown)}")
+    return frozenset(f"grpo.{n}" for n in names - set(without))
+
+
 @dataclass
 class GroupBatch:
     """One GRPO step's completions, ``num_generations`` consecutive ones per prompt (SPEC 6)."""
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,) mixed rewards
-    advantages: torch.Tensor  # (N,) group-relative, one per completion
+    advantages: torch.Tensor  # (N,) one per completion (group-relative), or (N, A) per token (REINFORCE++)
     old_logprobs: torch.Tensor | None  # (N, A); None: no optimizer step since generation, old = logprobs.detach()
     ref_logprobs: torch.Tensor | None  # (N, A); None without a reference model (beta 0)
 
@@ -177,6 +190,22 @@ class GRPO:
                  ema: ActorEMA | None, state: dict[str, Any]):
         self.cfg, self.g, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.grpo, models, hybrid, scorer, gen
         self.shuffle, self.ema = shuffle, ema
+        # The policy loss's settings; an estimator that reads fewer GRPO flags sets its own.
+        self.loss_type, self.eps_high, self.beta = self.g.loss_type, self.g.eps_high, self.g.beta
+
+    def advantages(self, rewards: torch.Tensor, rollout: Rollout, old: torch.Tensor | None,
+                   ref: torch.Tensor | None, baselines: torch.Tensor | None) -> torch.Tensor:
+        """``(N,)`` or ``(N, A)`` advantages of a generation's kept groups: GRPO's group-relative ones.
+        ``rewards``, ``baselines`` (from ``prompt_baselines``): ``(N,)``; ``old``, ``ref``: ``(N, A)`` or None."""
+        return L.group_advantages(rewards, self.g.num_generations, self.g.scale_rewards)  # type: ignore[arg-type]
+
+    def prompt_baselines(self, batch: dict[str, Any], scorer: Scorer) -> torch.Tensor | None:
+        """A reward per prompt ``(P,)`` measured at generation time (ReMax: its greedy answer's); None here."""
+        return None
+
+    def needs_old(self, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
+        """Whether to compute old log-probs after generation (else old = logprobs.detach() in the loss)."""
+        return needs_old_logprobs(self.g.num_iterations, n_micro, grad_accum, micro_offset)
 
     def describe(self) -> str:
         g = self.g
@@ -201,12 +230,18 @@ class GRPO:
         """
         g, m, rl = self.g, self.models, self.cfg.rl
         G, dev, target = g.num_generations, E.device(), rl.per_device_generation_batch_size
-        kept: list[tuple[Rollout, torch.Tensor]] = []
+        kept: list[tuple[Rollout, torch.Tensor, torch.Tensor | None]] = []
         seen: dict[str, list[torch.Tensor]] = {"reward": [], "length": [], "eos": [], "group_std": [],
                                                **{f"reward/{n}": [] for n in self.scorer.mixer.names}}
         n_kept, rounds, dropped, gen_time = 0, 0, 0, 0.0
         while True:
-            batch = repeat_prompts(to_device(next(stream), dev), G)
+            prompts = to_device(next(stream), dev)
+            baselines = self.prompt_baselines(prompts, self.scorer)
+            if baselines is not None:  # measured by a generation of its own (ReMax's greedy answers)
+                gen_time += self.hybrid.last_generate_seconds
+                baselines = baselines.float().cpu().repeat_interleave(G)  # (N,) aligned with the completions
+                seen.setdefault("reward_baseline", []).append(baselines)
+            batch = repeat_prompts(prompts, G)
             rollout, d = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen, min_answer_len=rl.min_answer_len)
             gen_time += self.hybrid.last_generate_seconds
             dropped += d
@@ -221,7 +256,8 @@ class GRPO:
                 seen[f"reward/{name}"].append(values)
             idx = select_groups(mixed.total, G, g.dynamic, target - n_kept)
             if idx.numel():
-                kept.append((rollout.select(idx.to(rollout.sequences.device)), mixed.total[idx]))
+                kept.append((rollout.select(idx.to(rollout.sequences.device)), mixed.total[idx],
+                             None if baselines is None else baselines[idx]))
             n_kept += idx.numel() // G
             rounds += 1
             if not g.dynamic or rounds > g.max_resample_rounds:
@@ -239,23 +275,26 @@ class GRPO:
                  "train/groups_kept": float(n_groups), "train/resample_rounds": float(rounds - 1),
                  "time/generation_s": gen_time, "tokens": cat["length"].sum().item(),
                  **{f"train/{k}": cat[k].mean().item() for k in seen if k.startswith("reward/")}}
+        if "reward_baseline" in cat:
+            stats["train/reward_baseline"] = cat["reward_baseline"].mean().item()
         if n_groups == 0:
             return None, stats, dropped
 
-        rollout = concat_rollouts([r for r, _ in kept], m.tokenizer.pad_token_id)
-        rewards = torch.cat([t for _, t in kept])
+        rollout = concat_rollouts([r for r, _, _ in kept], m.tokenizer.pad_token_id)
+        rewards = torch.cat([t for _, t, _ in kept])
         rows = torch.arange(n_groups * G)
         rollout, rewards = rollout.select(rows.to(rollout.sequences.device)), rewards[rows]
-        advantages = L.group_advantages(rewards, G, g.scale_rewards).to(dev)  # type: ignore[arg-type]
+        baselines = torch.cat([b for _, _, b in kept])[rows] if kept[0][2] is not None else None
         accum = self.cfg.optim.gradient_accumulation_steps
         n_micro = math.ceil(rows.numel() / self.cfg.optim.per_device_train_batch_size)
         offset = getattr(m.actor, "micro_steps", 0) % accum
         # Old and reference log-probs in eval mode (no dropout), once per generation.
         m.actor.eval()
-        old = answer_logprobs(m.actor, rollout, rl.temperature) \
-            if needs_old_logprobs(g.num_iterations, n_micro, accum, offset) else None
+        old = answer_logprobs(m.actor, rollout, rl.temperature) if self.needs_old(n_micro, accum, offset) else None
         ref = answer_logprobs(m.ref, rollout, rl.temperature) if m.ref is not None else None
         m.actor.train()
+        advantages = self.advantages(rewards.to(dev), rollout, old, ref,
+                                     None if baselines is None else baselines.to(dev)).to(dev)
         return GroupBatch(rollout, rewards.to(dev), advantages, old, ref), stats, dropped
 
     def update(self, batch: GroupBatch) -> dict[str, float]:
@@ -265,14 +304,15 @@ class GRPO:
         n = 0
         for _ in range(g.num_iterations):
             mbs = batch.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle)
-            normalizers = optimizer_step_normalizers(mbs, g.loss_type, rl.max_answer_seq_len, actor.micro_steps,
+            normalizers = optimizer_step_normalizers(mbs, self.loss_type, rl.max_answer_seq_len, actor.micro_steps,
                                                      self.cfg.optim.gradient_accumulation_steps)
             for mb, normalizer in zip(mbs, normalizers, strict=True):
                 logprobs = answer_logprobs(actor, mb.rollout, rl.temperature)
                 old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-                out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon, g.eps_high,
-                                         g.loss_type, ref_logprobs=mb.ref_logprobs,  # type: ignore[arg-type]
-                                         beta=g.beta if mb.ref_logprobs is not None else 0.0,
+                out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon,
+                                         self.eps_high, self.loss_type,  # type: ignore[arg-type]
+                                         ref_logprobs=mb.ref_logprobs,
+                                         beta=self.beta if mb.ref_logprobs is not None else 0.0,
                                          kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
                                          max_completion_length=rl.max_answer_seq_len, normalizer=normalizer)
                 step_actor(actor, out.loss, self.ema)
