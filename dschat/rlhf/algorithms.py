@@ -2,18 +2,23 @@
 class and this one entry.
 
 An algorithm class has: ``name``; ``help`` (for ``--help``); ``uses`` (the stage-config groups of its own
-flags: any other algorithm's groups are refused under it); ``output_name`` and ``demo_data`` (the default output
-folder, and the demo file used without ``--data``); ``needs(cfg)`` (which of 'reference' and 'critic' to load);
-``reward_func_names(cfg)`` (its default reward sources); ``check_config(cfg)``; ``plan(cfg, prompt_batches)``
-(updates per epoch, micro-batches per update). Per run: ``__init__(cfg, models, hybrid, scorer, gen, shuffle, ema,
-state)``, ``describe()``, ``summary()`` (its own eval.json fields), ``state()`` (what a resumable state keeps)
-and ``step(stream)`` (one update: its metrics and the answers dropped as too short).
+flags, or single flags as ``"group.field"`` where it reads part of another algorithm's group, e.g.
+``grpo_flags("scale_rewards")``: every other algorithm's flag is refused under it); ``output_name`` and
+``demo_data`` (the default output folder, and the demo file used without ``--data``); ``needs(cfg)`` (which of
+'reference' and 'critic' to load); ``reward_func_names(cfg)`` (its default reward sources); ``check_config(cfg)``;
+``plan(cfg, prompt_batches)`` (updates per epoch, micro-batches per update). Per run: ``__init__(cfg, models,
+hybrid, scorer, gen, shuffle, ema, state)``, ``describe()``, ``summary()`` (its own eval.json fields),
+``state()`` (what a resumable state keeps) and ``step(stream)`` (one update: its metrics and the answers dropped
+as too short).
 """
 
 from __future__ import annotations
 
 from dschat.rlhf.grpo import GRPO
 from dschat.rlhf.ppo import PPO
+from dschat.rlhf.reinforce_pp import ReinforcePP, ReinforcePPBaseline
+from dschat.rlhf.remax import ReMax
+from dschat.rlhf.rloo import RLOO
 
-ALGORITHMS = {a.name: a for a in (PPO, GRPO)}
-OWNED_GROUPS = frozenset().union(*(a.uses for a in ALGORITHMS.values()))
+ALGORITHMS = {a.name: a for a in (PPO, GRPO, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax)}
+OWNED_GROUPS = frozenset(u.split(".")[0] for a in ALGORITHMS.values() for u in a.uses)

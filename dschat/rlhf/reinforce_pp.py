@@ -1,0 +1,82 @@
+"""REINFORCE++ (``--algo reinforce_pp``; Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+Large Language Models") and its group-baseline variant (``--algo reinforce_pp_baseline``).
+
+Per answer token the reward is PPO's (SPEC 5.3, ``L.kl_penalized_rewards``): ``-kl_ctl * (logp_old - ref)``
+plus the clipped score at the last answer token; the advantage is the discounted return
+(``L.discounted_returns``, ``--gamma``) whitened over the whole global batch, every micro-batch on every rank
+(``L.masked_moments`` summed by ``E.all_reduce_sum``, then ``L.whiten_from_moments``): no critic, no per-prompt
+normalisation. The loss is GRPO's clipped surrogate (``--epsilon``, ``--epsilon-high``) averaged over the
+tokens of each optimizer step, with the KL in the reward rather than the loss.
+
+``reinforce_pp_baseline`` first subtracts the group mean from each score (``--num-generations`` completions per
+prompt), then does the same; OpenRLHF recommends it for reasoning tasks, where rule rewards differ in scale
+across prompts. Peers: OpenRLHF ``--advantage_estimator reinforce|reinforce_baseline``, veRL
+``compute_reinforce_plus_plus_outcome_advantage`` (which whitens per process, not globally).
+
+The two live in one file: they differ in one line (the score's baseline), as GRPO's loss types share grpo.py.
+Flags: GRPO's generation and clip flags, PPO's ``--kl-ctl``, ``--gamma`` and ``--clip-reward-value``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat import losses as L
+from dschat.rlhf.grpo import GRPO, grpo_flags
+from dschat.rlhf.rollout import Rollout
+
+PPO_FLAGS = frozenset({"ppo.kl_ctl", "ppo.gamma", "ppo.clip_reward_value"})
+
+
+class ReinforcePP(GRPO):
+    name = "reinforce_pp"
+    help = ("REINFORCE++: KL-penalised token rewards, discounted returns whitened over the global batch, PPO "
+            "clip, no critic (Hu 2025)")
+    # The KL sits in the reward (--kl-ctl), the aggregation is a token mean and no group is dropped, so GRPO's
+    # loss-side KL, loss type, reward scaling and dynamic sampling do not apply.
+    uses = grpo_flags("beta", "kl_estimator", "scale_rewards", "loss_type", "dynamic_sampling",
+                      "max_resample_rounds") | PPO_FLAGS
+    output_name = "step3_reinforce_pp"
+    group_baseline = False  # reinforce_pp_baseline: score minus its group's mean first
+
+    @staticmethod
+    def needs(cfg: Any) -> set[str]:
+        return {"reference"} if cfg.ppo.kl_ctl != 0.0 else set()
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.p = self.cfg.ppo
+        self.loss_type, self.beta = "dapo", 0.0  # token mean over each optimizer step; KL is in the reward
+
+    def needs_old(self, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
+        # The per-token KL reward reads the generating policy's log-probs.
+        return self.p.kl_ctl != 0.0 or super().needs_old(n_micro, grad_accum, micro_offset)
+
+    def advantages(self, rewards: torch.Tensor, rollout: Rollout, old: torch.Tensor | None,
+                   ref: torch.Tensor | None, baselines: torch.Tensor | None) -> torch.Tensor:
+        mask = rollout.action_mask  # (N, A)
+        scores = L.group_advantages(rewards, self.g.num_generations, "none") if self.group_baseline else rewards
+        if ref is None or old is None:  # --kl-ctl 0: no reference model, no KL term
+            old = ref = torch.zeros(mask.shape, device=mask.device)
+        token_rewards = L.kl_penalized_rewards(old, ref, scores, mask, self.p.kl_ctl, self.p.clip_reward_value)
+        returns = L.discounted_returns(token_rewards, mask, self.p.gamma)  # (N, A)
+        moments = E.all_reduce_sum(L.masked_moments(returns, mask))  # the whole step's batch, every rank
+        return L.whiten_from_moments(returns, mask, moments)
+
+    def describe(self) -> str:
+        g, p = self.g, self.p
+        return (f"{self.name} G {g.num_generations}, mu {g.num_iterations}, kl_ctl {p.kl_ctl}, gamma {p.gamma}, "
+                f"rewards " + self.scorer.describe())
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+class ReinforcePPBaseline(ReinforcePP):
+    name = "reinforce_pp_baseline"
+    help = "REINFORCE++ with the group mean subtracted from each score before global whitening (reasoning tasks)"
+    output_name = "step3_reinforce_pp_baseline"
+    group_baseline = True
