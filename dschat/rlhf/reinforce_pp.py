@@ -11,7 +11,8 @@ tokens of each optimizer step, with the KL in the reward rather than the loss.
 ``reinforce_pp_baseline`` first subtracts the group mean from each score (``--num-generations`` completions per
 prompt), then does the same; OpenRLHF recommends it for reasoning tasks, where rule rewards differ in scale
 across prompts. Peers: OpenRLHF ``--advantage_estimator reinforce|reinforce_baseline``, veRL
-``compute_reinforce_plus_plus_outcome_advantage`` (which whitens per process, not globally).
+``compute_reinforce_plus_plus_outcome_advantage`` (both whiten on a driver that holds the whole batch; here each
+rank holds its share, hence the all-reduced moments).
 
 The two live in one file: they differ in one line (the score's baseline), as GRPO's loss types share grpo.py.
 Flags: GRPO's generation and clip flags, PPO's ``--kl-ctl``, ``--gamma`` and ``--clip-reward-value``.
