@@ -1,15 +1,25 @@
 """Stage 3 with the critic-free estimators (--algo rloo | reinforce_pp | reinforce_pp_baseline | remax) on the tiny
-preset: each runs two steps, trains the actor and loads no critic; each refuses exactly the flags it does not read.
+preset: each runs two steps, trains the actor and loads no critic; each refuses exactly the flags it does not read;
+REINFORCE++'s whitening over two gloo ranks equals the whole batch's.
 
 The estimators are unit-tested against hand-worked numbers in tests/dschat/test_losses.py.
 """
 
-import pytest
+import socket
+from types import SimpleNamespace
 
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dschat import losses as L
 from dschat.config import build_config, refuse_inert
 from dschat.errors import UserError
 from dschat.rlhf.algorithms import ALGORITHMS
 from dschat.rlhf.config import RLHFConfig, check_config
+from dschat.rlhf.reinforce_pp import ReinforcePP, ReinforcePPBaseline
+from dschat.rlhf.rollout import Rollout
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
 from tests.step3_rlhf.test_grpo import _moved, grpo_cfg, reward_file  # noqa: F401 (a fixture)
@@ -87,3 +97,57 @@ def test_reinforce_pp_short_run(tmp_path, reward_file, algo):  # noqa: F811
 def test_remax_short_run(tmp_path, reward_file):  # noqa: F811
     rows = _short_run(tmp_path, reward_file, "remax", beta=0.0)
     assert "train/reward_baseline" in rows[0] and "train/kl" not in rows[0]  # the greedy answers' mean reward
+
+
+def _shard(rank: int, rows: slice) -> tuple:
+    """Rank ``rank``'s share of one fixed batch: 4 completions (2 prompts x 2), 3 answer tokens, padding."""
+    g = torch.Generator().manual_seed(0)
+    old, ref = -torch.rand(4, 3, generator=g), -torch.rand(4, 3, generator=g)
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])  # the second group's rewards are equal
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    rollout = Rollout(torch.zeros(4, 5, dtype=torch.long), torch.ones(4, 5, dtype=torch.long), mask, 2,
+                      torch.tensor([False, True, True, False]))
+    return rewards[rows], rollout.select(torch.arange(4)[rows]), old[rows], ref[rows]
+
+
+def _advantages(cls, rewards, rollout, old, ref):
+    est = SimpleNamespace(g=SimpleNamespace(num_generations=2), group_baseline=cls.group_baseline,
+                          p=SimpleNamespace(kl_ctl=0.1, clip_reward_value=5.0, gamma=0.9))
+    return cls.advantages(est, rewards, rollout, old, ref, None)
+
+
+def _two_ranks(rank: int, port: int, queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        rows = slice(0, 2) if rank == 0 else slice(2, 4)  # one prompt's group per rank
+        queue.put((rank, [_advantages(c, *_shard(rank, rows)) for c in (ReinforcePP, ReinforcePPBaseline)]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_reinforce_pp_whitens_over_all_ranks():
+    """Two gloo ranks holding half the batch each get exactly the rows of the one-process whole-batch advantages
+    (the whitening's moments are all-reduced), which whitening each half alone would not give."""
+    whole = [_advantages(c, *_shard(0, slice(0, 4))) for c in (ReinforcePP, ReinforcePPBaseline)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_two_ranks, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for i in range(2):
+        torch.testing.assert_close(torch.cat([got[0][i], got[1][i]]), whole[i], rtol=0, atol=1e-6)
+    # sanity: the whole-batch advantages are whitened over the kept tokens (mean 0, unbiased std 1)
+    mask = _shard(0, slice(0, 4))[1].action_mask
+    assert abs(L.masked_mean(whole[0], mask).item()) < 1e-6
+    assert L.masked_var(whole[0], mask).item() == pytest.approx(1.0, abs=1e-5)
+    # a rank alone would whiten its half to its own mean: different numbers
+    alone = _advantages(ReinforcePP, *_shard(1, slice(2, 4)))
+    assert not torch.allclose(alone, whole[0][2:], atol=1e-3)
