@@ -21,7 +21,8 @@ from tests.helpers import run_stage as run
 
 def dpo_cfg(out, **kw):
     base = {"algo": "dpo", "actor_model": "tiny", "data": [str(demo_files()["pairwise"])], "output_dir": str(out),
-            "max_steps": 6, "per_device_generation_batch_size": 8, "per_device_training_batch_size": 4,
+            "data_split": "18,1,1", "max_steps": 6, "per_device_generation_batch_size": 8,
+            "per_device_training_batch_size": 4,
             "actor_learning_rate": 1e-3, "max_eval_rows": 16, "per_device_eval_batch_size": 16, "progress": False,
             "force": True}
     base.update(kw)
@@ -36,7 +37,7 @@ def _moved(out: Path) -> float:
     return sum(not torch.equal(start[k], actor[k]) for k in start) / len(start)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", pytest.param("simpo", marks=pytest.mark.slow)])
 def test_dpo_short_run_learns_the_pairs(tmp_path, capsys, loss_type):
     out = tmp_path / loss_type
     metrics = run(dpo_cfg(out, dpo_loss_type=loss_type))
