@@ -59,6 +59,7 @@ __all__ = [
     "remax_advantages",
     "rloo_advantages",
     "selective_log_softmax",
+    "simpo_loss",
     "whiten",
     "whiten_from_moments",
 ]
@@ -66,7 +67,7 @@ __all__ = [
 KLEstimator = Literal["k1", "k2", "k3"]
 GRPOLossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ScaleRewards = Literal["group", "batch", "none"]
-DPOLossType = Literal["sigmoid", "ipo"]
+DPOLossType = Literal["sigmoid", "ipo", "cdpo"]
 
 # exp() of a log-ratio beyond +-20 overflows fp16 and makes k3 explode; clamping is what TRL/OpenRLHF do too.
 LOG_RATIO_CLAMP = 20.0
@@ -878,16 +879,20 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     loss_type: DPOLossType = "sigmoid",
 ) -> DPOLossOutput:
-    """DPO (Rafailov et al. 2023) and IPO (Azar et al. 2023) on summed answer log-probs.
+    """DPO (Rafailov et al. 2023), conservative DPO and IPO (Azar et al. 2023) on answer log-probs.
 
     ``h = (pi_c - ref_c) - (pi_x - ref_x)``.
-    ``sigmoid``: ``-(1 - ls) * logsigmoid(beta * h) - ls * logsigmoid(-beta * h)``; ``ls > 0`` is conservative
-    DPO (Mitchell 2023: labels flipped with probability ``ls``).
-    ``ipo``: ``(h - 1 / (2 * beta))^2``; IPO's paper uses length-averaged log-probs, so pass those if wanted.
+    ``sigmoid``: ``-logsigmoid(beta * h)`` (DPO, arXiv:2305.18290 eq. 7); with ``label_smoothing`` ``eps > 0`` it is
+    ``cdpo``.
+    ``cdpo``: ``-(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)`` (Mitchell 2023, "A note on DPO
+    with noisy preferences": each label flipped with probability ``eps``).
+    ``ipo``: ``(h - 1 / (2 * beta))^2`` (IPO, arXiv:2310.12036 eq. 17, where ``beta`` is their ``tau``); the paper
+    uses length-averaged log-probs, so pass ``sum / answer length`` for all four (SPEC 7 does).
 
     Args:
         policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps: ``(B,)``.
         beta: [0.1].
+        label_smoothing: ``eps`` in [0, 0.5) for sigmoid/cdpo.
 
     Returns:
         loss (mean over pairs) and detached implicit rewards ``beta * (pi - ref)`` with accuracy and margin.
@@ -895,14 +900,14 @@ def dpo_loss(
     chosen_logratio = policy_chosen_logps.float() - ref_chosen_logps.float().detach()
     rejected_logratio = policy_rejected_logps.float() - ref_rejected_logps.float().detach()
     h = chosen_logratio - rejected_logratio  # (B,)
-    if loss_type == "sigmoid":
+    if loss_type in ("sigmoid", "cdpo"):
         losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     elif loss_type == "ipo":
         if label_smoothing:
-            raise ValueError("label_smoothing applies to the sigmoid loss only")
+            raise ValueError("label_smoothing applies to the sigmoid/cdpo loss only")
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid' or 'ipo'")
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'cdpo' or 'ipo'")
     chosen_rewards = (beta * chosen_logratio).detach()
     rejected_rewards = (beta * rejected_logratio).detach()
     metrics = pairwise_metrics(chosen_rewards, rejected_rewards)
@@ -910,6 +915,35 @@ def dpo_loss(
         loss=losses.mean(),
         chosen_rewards=chosen_rewards,
         rejected_rewards=rejected_rewards,
+        reward_accuracy=metrics.accuracy,
+        reward_margin=metrics.margin_mean,
+    )
+
+
+def simpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    beta: float,
+    gamma: float,
+) -> DPOLossOutput:
+    """SimPO (Meng, Xia and Chen 2024, arXiv:2405.14734 eq. 6): reference-free, on length-normalised log-probs,
+    with a target reward margin ``gamma``: ``-logsigmoid(beta * (avg_c - avg_x) - gamma)``.
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: ``(B,)`` answer log-probs averaged over answer tokens.
+        beta: [2.0 in the paper]; gamma: the margin [0.5 in the paper; SPEC 7 subtracts it as is].
+
+    Returns:
+        loss (mean over pairs) and detached implicit rewards ``beta * avg`` with accuracy and margin.
+    """
+    chosen_rewards = beta * policy_chosen_logps.float()
+    rejected_rewards = beta * policy_rejected_logps.float()
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)  # (B,)
+    metrics = pairwise_metrics(chosen_rewards.detach(), rejected_rewards.detach())
+    return DPOLossOutput(
+        loss=losses.mean(),
+        chosen_rewards=chosen_rewards.detach(),
+        rejected_rewards=rejected_rewards.detach(),
         reward_accuracy=metrics.accuracy,
         reward_margin=metrics.margin_mean,
     )

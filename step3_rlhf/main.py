@@ -24,7 +24,7 @@ import torch
 from dschat import engine as E
 from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
-from dschat.data import DataCollatorRLHF, load_phase
+from dschat.data import load_phase
 from dschat.demo import demo_data
 from dschat.errors import UserError
 from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
@@ -33,7 +33,7 @@ from dschat.resume import Checkpointer
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
-from dschat.rlhf.evaluation import eval_scalars, evaluate, source_summary, summarize
+from dschat.rlhf.evaluation import eval_scalars, source_summary, summarize
 from dschat.rlhf.scoring import RM, build_scorer
 from dschat.stage import EpochStream, Interrupted, begin_stage, check_finite, eval_loader, stop_after_step, train_loader
 from dschat.tracking import RunTracker, write_eval
@@ -46,9 +46,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     tok = load_tokenizer(resolve_model(cfg.actor.model), cfg.model.trust_remote_code)
     with E.main_process_first():  # without --data: the algorithm's demo file (e.g. prompts with checkable answers)
         data = load_phase(d, 3, tok, cfg.run.seed, log=stage.log if E.is_main() else (lambda _: None),
-                          default_data=lambda: demo_data(Algo.demo_data))
+                          default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as)
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
-    collator = DataCollatorRLHF(tok.pad_token_id)
+    collator = Algo.collator(tok.pad_token_id)  # prompts (PPO, GRPO) or pairs (DPO)
     prompts = train_loader(data.train, rl.per_device_generation_batch_size, collator, cfg.run.seed)
     evals = eval_loader(data.eval, o.per_device_eval_batch_size, collator)
     per_epoch, micro_per_update = Algo.plan(cfg, len(prompts))
@@ -58,7 +58,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     # 1. the engines, the generation path, the reward sources
     models = build_models(cfg, optimizer_steps)
     hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine)
-    scorer = build_scorer(cfg, models)
+    scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
     gen = GenerationConfig(max_new_tokens=rl.max_answer_seq_len, do_sample=True, temperature=rl.temperature,
                            top_p=rl.top_p, top_k=rl.top_k)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
@@ -81,7 +81,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     # 3. evaluate before training (kept in the state, so a resumed run compares with the same numbers)
     def evaluation() -> dict[str, Any]:
-        return evaluate(models, hybrid, evals, gen, rl.temperature, cfg.run.seed, scorer) if data.eval else {}
+        return algo.evaluate(evals) if data.eval else {}
     before = state.get("before") or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
     if before and resume_from is None:
@@ -104,7 +104,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             metrics, dropped = algo.step(stream)
             step += 1
             dropped_total += dropped
-            metrics.update({"train/dropped_short_answers": dropped_total, **scorer.stats()})
+            metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {})})
             for name, value in metrics.items():
                 if name.endswith("loss"):
                     check_finite(value, step, name)
@@ -130,12 +130,12 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     if ema is not None:
         save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.state)
     metrics = {"algo": rl.algo, **summarize(before, after), "steps": step, "dropped_short_answers": dropped_total,
-               **data.counts, "sources": data.sources, **algo.summary()}
-    if scorer.mixer.names != [RM]:  # per-source means when there is more than the reward model
+               **data.counts, "sources": data.sources, **algo.summary(before, after)}
+    if scorer is not None and scorer.mixer.names != [RM]:  # per-source means when there is more than the reward model
         metrics.update(source_summary(before, after, scorer))
     if E.is_main():
         write_eval(stage.output_dir, metrics)
-        if before and after:
+        if before.get("reward") is not None and after.get("reward") is not None:
             kl = f" | KL {after['kl']:.3f}" if after["kl"] is not None else ""
             stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
                       f"{after['reward_se']:.3f} (gain {metrics['reward_gain']:.3f} ± {metrics['reward_gain_se']:.3f})"

@@ -2,12 +2,16 @@
 
 ``load_phase(data, phase, tokenizer, seed)`` gives the tokenized train and eval rows of one train_phase:
 1. SFT: ``input_ids``, ``labels`` (prompt masked with -100 by default) of prompt + chosen + EOS.
-2. Reward: ``chosen_input_ids`` and ``rejected_input_ids`` (prompt + answer + EOS); identical pairs dropped.
+2. Reward: ``chosen_input_ids`` and ``rejected_input_ids`` (prompt + answer + EOS) and ``prompt_len``; identical
+   pairs dropped.
 3. RL: ``prompt_input_ids`` (left-truncated to ``max_prompt_seq_len``), plus the row's ground truth.
 
 Every source is split once, deterministically by seed, into three disjoint parts proportional to
 ``--data-split``; phase k uses part k. The tokenized result is cached under a key that covers every input that
 shapes it, so a changed file, split, seed, tokenizer or length never reuses a stale cache.
+
+``tokenize_as`` tokenizes one phase's part as another phase would: offline DPO (stage 3) trains on the pairs of
+the phase-3 part (``load_phase(data, 3, ..., tokenize_as=2)``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from dschat.prompts import read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import atomic_write_text, cache_root, stable_hash
 
-CACHE_VERSION = 2  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys)
+CACHE_VERSION = 3  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys;
+# 3: pairwise rows keep prompt_len)
 
 
 @dataclass
@@ -176,7 +181,7 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             if c_ids == x_ids:  # different strings can still tokenize alike
                 counts["dropped_identical_pair"] += 1
                 continue
-            row = {"chosen_input_ids": c_ids, "rejected_input_ids": x_ids}
+            row = {"chosen_input_ids": c_ids, "rejected_input_ids": x_ids, "prompt_len": len(p)}
             margin = ex.extra.get("margin")
             if isinstance(margin, int | float):
                 row["margin"] = float(margin)
@@ -188,9 +193,11 @@ def _jsonable(extra: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in extra.items() if isinstance(v, str | int | float | bool | list | dict | type(None))}
 
 
-def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list[DataSpec]) -> str:
+def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list[DataSpec],
+              tokenize_as: int | None = None) -> str:
     return stable_hash({
         "v": CACHE_VERSION, "phase": phase, "seed": seed, "split": data.data_split,
+        **({"tokenize_as": tokenize_as} if tokenize_as not in (None, phase) else {}),
         "sources": [[s.name, s.weight, source_fingerprint(s)] for s in specs],
         "max_seq_len": data.max_seq_len, "max_prompt_seq_len": data.max_prompt_seq_len,
         "eval_fraction": data.eval_fraction, "max_eval_rows": data.max_eval_rows,
@@ -211,8 +218,10 @@ def count_line(phase: int, counts: dict[str, int]) -> str:
 
 
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
-               log: Any = print, default_data: Callable[[], Sequence[str]] | None = None) -> PhaseData:
-    """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk.
+               log: Any = print, default_data: Callable[[], Sequence[str]] | None = None,
+               tokenize_as: int | None = None) -> PhaseData:
+    """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk; ``tokenize_as``
+    (default ``phase``) tokenizes that part as another phase's rows (offline DPO: the phase-3 part as pairs).
 
     Without ``data.data`` the sources are ``default_data()`` (the stage mains pass the demo corpus,
     ``dschat.demo.demo_data``); with neither there is nothing to train on, a user error.
@@ -225,7 +234,8 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
                         "dataset name (repeatable)")
     specs = [DataSpec.parse(d) for d in names]
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
-    key = cache_key(data, phase, tokenizer, seed, specs)
+    shape = tokenize_as or phase
+    key = cache_key(data, phase, tokenizer, seed, specs, shape)
     # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code (issue 11).
     cache_file = cache_dir / f"phase{phase}-{key}.json"
     if use_cache and all(source_fingerprint(s) is not None for s in specs) and cache_file.exists():
@@ -245,15 +255,15 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
         fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data, judge_system, log)
         counts.update(c)
         before = len(train)
-        train += tokenize_examples(tr, phase, tokenizer, data, counts)
-        evals += tokenize_examples(ev, phase, tokenizer, data, counts)
+        train += tokenize_examples(tr, shape, tokenizer, data, counts)
+        evals += tokenize_examples(ev, shape, tokenizer, data, counts)
         sources.append({"name": raw.name, "format": fmt, "rows": len(raw.train),
                         "test_rows": len(raw.test) if raw.test is not None else 0,
                         "train_rows": len(train) - before, "weight": spec.weight})
         log(f"data: {raw.name}: {len(raw.train)} rows, format {fmt}, phase {phase} train rows {len(train) - before}")
     if not train:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no rows in this phase's part"
-        needs = {1: "a response (pairwise or sft rows)", 2: "chosen/rejected pairs", 3: "a prompt"}[phase]
+        needs = {1: "a response (pairwise or sft rows)", 2: "chosen/rejected pairs", 3: "a prompt"}[shape]
         formats = ", ".join(f"{s['name']} is {s['format']}" for s in sources)
         raise UserError(f"train phase {phase} has no usable rows after filtering ({reasons}); it needs {needs}; "
                         f"{formats}; check --data, --data-split and --max-seq-len")

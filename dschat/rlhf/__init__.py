@@ -1,12 +1,12 @@
 """Stage 3 as a library: ``step3_rlhf/main.py`` assembles these parts into the loop.
 
     config.py       the flags (per-model pieces, RL pieces) and the checks made before anything loads
-    algorithms.py   --algo NAME -> its class (ppo.py, grpo.py): one file, one ``step()`` each
+    algorithms.py   --algo NAME -> its class (ppo.py, grpo.py, dpo.py): one file, one ``step()`` each
     engines.py      the model/engine set: actor, reference, critic, reward (what the algorithm needs)
     rollout.py      generation -> Rollout (sequences, masks), log-probs and values of the answer tokens
     scoring.py      reward sources -> scores (reward model, rules, judge, user functions)
     evaluation.py   held-out reward / KL / length before and after; eval.json's before/after part
     ema.py          the actor's exponential moving average
 
-Imports go one way: config -> algorithms -> ppo/grpo -> (ema, rollout, scoring) -> dschat core.
+Imports go one way: config -> algorithms -> ppo/grpo/dpo -> evaluation -> (ema, rollout, scoring) -> dschat core.
 """

@@ -13,6 +13,7 @@ from typing import Any
 from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, merged, piece
 from dschat.errors import UserError
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
+from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
 from dschat.rlhf.ppo import PPOArgs
 from dschat.rlhf.scoring import JUDGE, RM
@@ -26,7 +27,8 @@ class RLArgs:
     algo: str = arg("ppo", "RL algorithm: " + "; ".join(f"{k}: {v.help}" for k, v in ALGORITHMS.items()) + ".",
                     choices=tuple(ALGORITHMS))
     per_device_generation_batch_size: int = arg(8, "Prompts per device per generation batch (GRPO: prompts per "
-                                                   "step, each with --num-generations completions).", low=1)
+                                                   "step, each with --num-generations completions; DPO: pairs "
+                                                   "per update).", low=1)
     max_answer_seq_len: int = arg(256, "Longest generated answer in tokens.", low=1)
     min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
                                  "counted as dropped (SPEC 5.1).", low=0)
@@ -110,6 +112,7 @@ class RLHFConfig:
     lora: LoraArgs = piece(LoraArgs, only=("save_adapter",))
     ppo: PPOArgs = field(default_factory=PPOArgs)
     grpo: GRPOArgs = field(default_factory=GRPOArgs)
+    dpo: DPOArgs = field(default_factory=DPOArgs)
     data: DataArgs = field(default_factory=DataArgs)
     run: RunArgs = field(default_factory=RunArgs)
 
@@ -124,6 +127,7 @@ class RLHFConfig:
         mine = self.algorithm.uses
         out = {s.name: f"with --algo {self.rl.algo}" for s in flag_specs(type(self))
                if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
+        out.update(self.algorithm.inert_flags(self))
         names = self.reward_func_names()
         if JUDGE not in names:
             out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})

@@ -71,7 +71,7 @@ def eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
 def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The before/after part of stage 3's ``eval.json``: rewards with their standard errors, the paired gain,
     KL, answer length and EOS rate, and each reward source's mean when there is more than the reward model."""
-    both = bool(before and after)
+    both = before.get("scores") is not None and after.get("scores") is not None
     out: dict[str, Any] = {
         "reward_before": before.get("reward"), "reward_after": after.get("reward"),
         "reward_before_se": before.get("reward_se"), "reward_after_se": after.get("reward_se"),

@@ -72,8 +72,8 @@ class ReinforcePP(GRPO):
         return (f"{self.name} G {g.num_generations}, mu {g.num_iterations}, kl_ctl {p.kl_ctl}, gamma {p.gamma}, "
                 f"rewards " + self.scorer.describe())
 
-    def summary(self) -> dict[str, Any]:
-        return {}
+    def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        return {}  # no --loss-type: its aggregation is fixed
 
 
 class ReinforcePPBaseline(ReinforcePP):

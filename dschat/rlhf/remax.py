@@ -43,6 +43,3 @@ class ReMax(GRPO):
         g = self.g
         return (f"ReMax G {g.num_generations} + 1 greedy, loss {g.loss_type}, mu {g.num_iterations}, beta {g.beta}, "
                 "rewards " + self.scorer.describe())
-
-    def summary(self) -> dict[str, Any]:
-        return {"loss_type": self.g.loss_type}

@@ -10,8 +10,6 @@ the aggregation. Peers: OpenRLHF ``--advantage_estimator rloo``, veRL ``compute_
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dschat import losses as L
@@ -33,6 +31,3 @@ class RLOO(GRPO):
         g = self.g
         return (f"RLOO k {g.num_generations}, loss {g.loss_type}, mu {g.num_iterations}, beta {g.beta}, rewards "
                 + self.scorer.describe() + (", dynamic sampling" if g.dynamic else ""))
-
-    def summary(self) -> dict[str, Any]:
-        return {"loss_type": self.g.loss_type}

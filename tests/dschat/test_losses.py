@@ -39,6 +39,7 @@ from dschat.losses import (
     remax_advantages,
     rloo_advantages,
     selective_log_softmax,
+    simpo_loss,
     whiten,
     whiten_from_moments,
 )
@@ -691,6 +692,55 @@ def test_ipo_by_hand():
     # pair 0: h = 1.5 ; pair 1: h = (-2 + 1) - (-2 + 1) = 0 ; beta 0.5 -> 1 / (2 * 0.5) = 1
     # (1.5 - 1)^2 = 0.25 ; (0 - 1)^2 = 1 -> mean 0.625
     close(dpo_loss(pc, px, rc, rx, beta=0.5, loss_type="ipo").loss, 0.625)
+
+
+def test_cdpo_by_hand_with_gradient():
+    # cdpo is the sigmoid loss with label smoothing eps (Mitchell 2023); h = 1.5, beta 0.1 -> beta * h = 0.15
+    pc, px = torch.tensor([-1.0], requires_grad=True), torch.tensor([-3.0], requires_grad=True)
+    out = dpo_loss(pc, px, t([-2.0]), t([-2.5]), beta=0.1, label_smoothing=0.2, loss_type="cdpo")
+    # loss = 0.8 * sp(0.15) + 0.2 * sp(-0.15) = 0.8 * 0.620957 + 0.2 * 0.770957 = 0.650957
+    close(out.loss, 0.650957, atol=1e-6)
+    out.loss.backward()
+    # d loss / d h = beta * (-(1 - eps) * sigmoid(-0.15) + eps * sigmoid(0.15))
+    #              = 0.1 * (-0.8 * 0.462570 + 0.2 * 0.537430) = 0.1 * (-0.370056 + 0.107486) = -0.026257
+    # h = pc - px + const: d/d pc = -0.026257, d/d px = +0.026257
+    close(pc.grad, [-0.026257], atol=1e-6)
+    close(px.grad, [0.026257], atol=1e-6)
+    # eps = 0 is plain DPO
+    close(dpo_loss(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.5]), 0.1, loss_type="cdpo").loss, sp(0.15))
+
+
+def test_ipo_gradient_by_hand():
+    pc = torch.tensor([-1.0], requires_grad=True)
+    out = dpo_loss(pc, t([-3.0]), t([-2.0]), t([-2.5]), beta=0.5, loss_type="ipo")
+    out.loss.backward()
+    # h = 1.5, 1 / (2 beta) = 1 -> loss (0.5)^2 = 0.25, d/d pc = 2 * (1.5 - 1) = 1
+    close(out.loss, 0.25)
+    close(pc.grad, [1.0])
+
+
+def test_simpo_by_hand_with_gradient():
+    # Length-averaged log-probs (SimPO eq. 6): chosen -0.5, -1.0 ; rejected -1.0, -0.6 ; beta 2, gamma 0.5
+    c = torch.tensor([-0.5, -1.0], requires_grad=True)
+    x = torch.tensor([-1.0, -0.6], requires_grad=True)
+    out = simpo_loss(c, x, beta=2.0, gamma=0.5)
+    # pair 0: 2 * (-0.5 + 1.0) - 0.5 = 0.5 -> -logsigmoid(0.5) = log(1 + e^-0.5) = 0.474077
+    # pair 1: 2 * (-1.0 + 0.6) - 0.5 = -1.3 -> -logsigmoid(-1.3) = log(1 + e^1.3) = 1.541008 ; mean 1.007543
+    close(out.loss, 1.007543, atol=1e-6)
+    close(out.chosen_rewards, [-1.0, -2.0])
+    close(out.rejected_rewards, [-2.0, -1.2])
+    close(out.reward_accuracy, 0.5)
+    close(out.reward_margin, (1.0 - 0.8) / 2)
+    out.loss.backward()
+    # d/d c_i = -beta * sigmoid(-z_i) / 2 (mean over 2): z0 = 0.5 -> sigmoid(-0.5) = 0.377541 -> -0.377541
+    # z1 = -1.3 -> sigmoid(1.3) = 0.785835 -> -0.785835
+    close(c.grad, [-0.377541, -0.785835], atol=1e-6)
+    close(x.grad, [0.377541, 0.785835], atol=1e-6)
+
+
+def test_simpo_equal_logprobs_without_margin_is_log2():
+    avg = torch.tensor([-0.7, -1.3])
+    close(simpo_loss(avg, avg.clone(), beta=2.0, gamma=0.0).loss, math.log(2.0))
 
 
 def test_kd_loss_by_hand():

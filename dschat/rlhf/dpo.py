@@ -1,0 +1,270 @@
+"""Offline DPO as a stage-3 algorithm (SPEC 7): preference pairs, no sampling, no reward model in the loss.
+
+``--dpo-loss-type`` picks the loss (pure functions in ``dschat.losses``): sigmoid (DPO, Rafailov et al. 2023),
+cdpo (label smoothing, Mitchell 2023), ipo (Azar et al. 2023, length-averaged) and simpo (Meng et al. 2024:
+reference-free, length-normalised, margin ``--simpo-gamma``). The reference's log-probs of every training pair are
+computed once, at the first step, and travel with the rows (no reference forward per step); a resumed run
+recomputes them from the frozen reference.
+
+Data: the phase-3 part of ``--data`` tokenized as pairs (phase 2's chosen/rejected rows, plus ``prompt_len``).
+The flags are DPO's own (``--dpo-beta``, ``--dpo-loss-type``): GRPO's ``--beta``/``--loss-type`` have other
+defaults and choices, and one declaration per flag keeps ``refuse_inert`` exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from dschat import engine as E
+from dschat import losses as L
+from dschat.config import arg
+from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
+from dschat.errors import UserError
+from dschat.rewards import RM
+from dschat.rlhf.ema import ActorEMA, step_actor
+from dschat.rlhf.evaluation import evaluate
+from dschat.rlhf.rollout import positions_from_mask
+from dschat.rlhf.scoring import Scorer
+from dschat.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+
+LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
+EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
+             "logps_rejected", "logratio", "eval_pairs")
+
+
+@dataclass
+class DPOArgs:
+    dpo_loss_type: str = arg("sigmoid", "DPO loss: sigmoid (DPO), ipo (on length-averaged log-ratios), cdpo (label "
+                                        "smoothing, --label-smoothing), simpo (no reference, length-normalised, "
+                                        "margin --simpo-gamma).", choices=LOSS_TYPES)
+    dpo_beta: float | None = arg(None, "DPO's beta (IPO's tau) [default 0.1; 2.0 with simpo, SimPO's setting].",
+                                 above=0)
+    label_smoothing: float = arg(0.0, "cdpo: the probability that a preference label is flipped, in [0, 0.5).",
+                                 low=0)
+    simpo_gamma: float = arg(0.5, "simpo: the target reward margin gamma subtracted inside the sigmoid.", low=0)
+
+    @property
+    def beta(self) -> float:
+        if self.dpo_beta is not None:
+            return self.dpo_beta
+        return 2.0 if self.dpo_loss_type == "simpo" else 0.1
+
+    def inert_fields(self) -> dict[str, str]:
+        out = {}
+        if self.dpo_loss_type != "cdpo":
+            out["label_smoothing"] = "without {dpo_loss_type} cdpo"
+        if self.dpo_loss_type != "simpo":
+            out["simpo_gamma"] = "without {dpo_loss_type} simpo"
+        return out
+
+
+class DataCollatorPairs(DataCollatorReward):
+    """``DataCollatorReward``'s ``(2B, L)`` batch (B chosen rows, then B rejected) plus ``prompt_len`` ``(2B,)`` and,
+    once computed, the reference's summed answer log-probs ``ref_logps`` ``(2B,)``."""
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(rows)
+        batch["prompt_len"] = torch.tensor([r["prompt_len"] for r in rows] * 2)
+        if rows and all("ref_chosen_logps" in r for r in rows):
+            batch["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
+                                              + [r["ref_rejected_logps"] for r in rows])
+        return batch
+
+
+def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs ``(N,)`` of the answer tokens (after ``prompt_len``, EOS included) of right-padded
+    sequences ``(N, L)``, and the answer lengths ``(N,)``."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=positions_from_mask(attention_mask), use_cache=False).logits
+    logps = L.selective_log_softmax(logits[:, :-1].float(), input_ids[:, 1:])  # (N, L-1): token t+1 given <= t
+    target = torch.arange(1, input_ids.shape[1], device=input_ids.device)  # (L-1,) position of each target token
+    answer = (target.unsqueeze(0) >= prompt_len.unsqueeze(1)) & attention_mask[:, 1:].bool()  # (N, L-1)
+    return (logps * answer).sum(-1), answer.sum(-1)
+
+
+def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
+              ref_logps: torch.Tensor | None) -> L.DPOLossOutput:
+    """The chosen loss over ``(2B,)`` summed log-probs (chosen first), their answer lengths and the reference's."""
+    c, x = logps.chunk(2)
+    nc, nx = lengths.clamp(min=1).float().chunk(2)
+    if a.dpo_loss_type == "simpo":
+        return L.simpo_loss(c / nc, x / nx, a.beta, a.simpo_gamma)
+    assert ref_logps is not None
+    rc, rx = ref_logps.chunk(2)
+    if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
+        return L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
+    smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
+    return L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]
+
+
+def pair_stats(out: L.DPOLossOutput, logps: torch.Tensor, ref_logps: torch.Tensor | None) -> dict[str, float]:
+    c, x = logps.detach().chunk(2)
+    stats = {"loss": out.loss.item(), "implicit_accuracy": out.reward_accuracy.item(),
+             "implicit_margin": out.reward_margin.item(), "rewards_chosen": out.chosen_rewards.mean().item(),
+             "rewards_rejected": out.rejected_rewards.mean().item(), "logps_chosen": c.mean().item(),
+             "logps_rejected": x.mean().item()}
+    if ref_logps is not None:  # mean log-ratio of the pair sequences to the reference (SimPO has none)
+        stats["logratio"] = (logps.detach() - ref_logps).mean().item()
+    return stats
+
+
+class DPO:
+    name = "dpo"
+    help = "offline DPO on preference pairs (sigmoid, ipo, cdpo, simpo; SPEC 7)"
+    uses = frozenset({"dpo"})
+    output_name = "step3_dpo"
+    demo_data = "pairwise"
+    tokenize_as = 2  # the phase-3 part of --data, tokenized as chosen/rejected pairs
+    collator = DataCollatorPairs
+
+    @staticmethod
+    def needs(cfg: Any) -> set[str]:
+        return set() if cfg.dpo.dpo_loss_type == "simpo" else {"reference"}
+
+    @staticmethod
+    def reward_func_names(cfg: Any) -> list[str]:
+        """Only for evaluating sampled answers: --reward-funcs, else rm with --reward-model, else none."""
+        return list(cfg.rewards.reward_funcs) or ([RM] if cfg.rewards.reward_model else [])
+
+    @staticmethod
+    def inert_flags(cfg: Any) -> dict[str, str]:
+        out = {"min_answer_len": "with --algo dpo (no answers are trained on)"}
+        if not DPO.reward_func_names(cfg):
+            why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
+            out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len",
+                                         "enable_hybrid_engine", "reward_weights")})
+        if cfg.dpo.dpo_loss_type == "simpo":
+            out.update({n: "with --dpo-loss-type simpo (no reference)"
+                        for n in ("reference_zero_stage", "offload_reference_model")})
+        return out
+
+    @staticmethod
+    def check_config(cfg: Any) -> None:
+        a = cfg.dpo
+        if not 0.0 <= a.label_smoothing < 0.5:
+            raise UserError("--label-smoothing must be in [0, 0.5): at 0.5 the labels carry no preference")
+        if a.dpo_loss_type == "cdpo" and a.label_smoothing == 0.0:
+            raise UserError("--dpo-loss-type cdpo needs --label-smoothing > 0 (at 0 it is --dpo-loss-type sigmoid)")
+
+    @staticmethod
+    def plan(cfg: Any, pair_batches: int) -> tuple[int, int]:
+        """One batch of ``--per-device-generation-batch-size`` pairs per update, in micro-batches of
+        ``--per-device-train-batch-size`` pairs."""
+        return pair_batches, math.ceil(cfg.rl.per_device_generation_batch_size / cfg.optim.per_device_train_batch_size)
+
+    def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer | None, gen: Any, shuffle: torch.Generator,
+                 ema: ActorEMA | None, state: dict[str, Any]):
+        self.cfg, self.a, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.dpo, models, hybrid, scorer, gen
+        self.ema = ema
+        self.reference_ready = models.ref is None
+
+    def describe(self) -> str:
+        a = self.a
+        extra = {"cdpo": f", label smoothing {a.label_smoothing}", "simpo": f", gamma {a.simpo_gamma}"}
+        rewards = f", eval rewards {self.scorer.describe()}" if self.scorer is not None else ""
+        return f"DPO loss {a.dpo_loss_type}, beta {a.beta}{extra.get(a.dpo_loss_type, '')}{rewards}"
+
+    def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss_type": self.a.dpo_loss_type, "beta": self.a.beta}
+        for k in EVAL_KEYS:
+            out[f"{k}_before"], out[f"{k}_after"] = before.get(k), after.get(k)
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    @torch.no_grad()
+    def compute_reference(self, rows: list[dict[str, Any]]) -> None:
+        """The reference's summed answer log-probs of every pair, once, stored in the rows (all ranks compute all
+        rows: the sampler hands a rank different rows each epoch, and ZeRO-3 forwards are collective)."""
+        t0, collate = time.time(), DataCollatorPairs(self.models.tokenizer.pad_token_id)
+        size = self.cfg.optim.per_device_eval_batch_size
+        for i in range(0, len(rows), size):
+            chunk = rows[i: i + size]
+            b = to_device(collate(chunk), E.device())
+            logps, _ = sequence_logps(self.models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])
+            c, x = logps.chunk(2)
+            for row, lc, lx in zip(chunk, c.tolist(), x.tolist(), strict=True):
+                row["ref_chosen_logps"], row["ref_rejected_logps"] = lc, lx
+        self.reference_ready = True
+        if E.is_main():
+            print(f"[dpo] reference log-probs of {len(rows)} pairs computed once in {time.time() - t0:.1f}s")
+
+    def step(self, stream: EpochStream) -> tuple[dict[str, float], int]:
+        """One update: the next batch of pairs, in micro-batches of the chosen DPO loss. Returns its metrics."""
+        if not self.reference_ready:
+            self.compute_reference(stream.loader.dataset)  # type: ignore[arg-type]
+        t0, actor = time.time(), self.models.actor
+        b = to_device(next(stream), E.device())
+        B = b["input_ids"].shape[0] // 2
+        sums: dict[str, float] = {}
+        chunks = torch.arange(B, device=b["input_ids"].device).split(self.cfg.optim.per_device_train_batch_size)
+        for idx in chunks:
+            rows = torch.cat([idx, idx + B])  # the chunk's chosen rows, then its rejected rows
+            ref = b["ref_logps"][rows] if "ref_logps" in b else None
+            logps, lengths = sequence_logps(actor, b["input_ids"][rows], b["attention_mask"][rows],
+                                            b["prompt_len"][rows])
+            out = pair_loss(self.a, logps, lengths, ref)
+            step_actor(actor, out.loss, self.ema)
+            for k, v in pair_stats(out, logps, ref).items():
+                sums[k] = sums.get(k, 0.0) + v / len(chunks)
+        names = sorted(sums)
+        reduced = E.all_reduce_mean(torch.tensor([sums[k] for k in names])).tolist()
+        metrics = {f"train/{'actor_loss' if k == 'loss' else k}": v for k, v in zip(names, reduced, strict=True)}
+        pairs = E.all_reduce_sum(torch.tensor(float(B))).item()
+        return {**metrics, "time/training_s": time.time() - t0,
+                "time/pairs_per_s": pairs / max(time.time() - t0, 1e-9)}, 0
+
+    @torch.no_grad()
+    def evaluate(self, loader: EvalLoader) -> dict[str, Any]:
+        """Held-out implicit-reward accuracy, margin, log-probs and log-ratio to the reference over pairs; with
+        reward sources, also the reward of sampled answers to the pairs' prompts (``evaluation.evaluate``)."""
+        m, cols = self.models, {k: [] for k in ("acc", "margin", "rc", "rx", "lc", "lx", "ratio")}
+        m.actor.eval()
+        for batch, real in lockstep_batches(loader):
+            b = to_device(batch, E.device())
+            logps, lengths = sequence_logps(m.actor, b["input_ids"], b["attention_mask"], b["prompt_len"])
+            ref = sequence_logps(m.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])[0] \
+                if m.ref is not None else None
+            out = pair_loss(self.a, logps, lengths, ref)
+            if not real:
+                continue
+            c, x = logps.chunk(2)
+            rc, rx = out.chosen_rewards, out.rejected_rewards
+            cols["acc"] += ((rc > rx).float() + 0.5 * (rc == rx).float()).tolist()
+            cols["margin"] += (rc - rx).tolist()
+            cols["rc"] += rc.tolist()
+            cols["rx"] += rx.tolist()
+            cols["lc"] += c.tolist()
+            cols["lx"] += x.tolist()
+            if ref is not None:
+                cols["ratio"] += (logps - ref).view(2, -1).mean(0).tolist()
+        m.actor.train()
+        gathered = E.gather_objects(cols)
+        t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
+        res: dict[str, Any] = {k: (t[c].mean().item() if len(t[c]) else None) for k, c in zip(
+            EVAL_KEYS, ("acc", "margin", "rc", "rx", "lc", "lx", "ratio"), strict=False)}
+        res["eval_pairs"] = len(t["acc"])
+        if self.scorer is not None:
+            res.update(evaluate(m, self.hybrid, self.prompt_loader(loader), self.gen, self.cfg.rl.temperature,
+                                self.cfg.run.seed, self.scorer))
+        return res
+
+    def prompt_loader(self, loader: EvalLoader) -> EvalLoader:
+        """The prompts of this rank's held-out pairs, left-padded for generation."""
+        def prompts(ids: list[int], n: int) -> dict[str, Any]:
+            return {"prompt_input_ids": list(ids[:n])}
+        collate = DataCollatorRLHF(self.models.tokenizer.pad_token_id)
+        rows = [prompts(r["chosen_input_ids"], r["prompt_len"]) for r in loader.loader.dataset]  # type: ignore
+        f = loader.filler
+        filler = None if f is None else collate([prompts(f["input_ids"][0].tolist(), int(f["prompt_len"][0]))])
+        dl = DataLoader(rows, batch_size=self.cfg.optim.per_device_eval_batch_size, shuffle=False,
+                        collate_fn=collate)
+        return EvalLoader(dl, filler)
