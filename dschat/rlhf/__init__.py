@@ -7,6 +7,7 @@
     scoring.py      reward sources -> scores (reward model, rules, judge, user functions)
     evaluation.py   held-out reward / KL / length before and after; eval.json's before/after part
     ema.py          the actor's exponential moving average
+    onpolicy.py     the defaults PPO and the GRPO family share (prompts in, evaluation by sampling)
 
 Imports go one way: config -> algorithms -> ppo/grpo/dpo -> evaluation -> (ema, rollout, scoring) -> dschat core.
 """

@@ -22,11 +22,10 @@ import torch
 from dschat import engine as E
 from dschat import losses as L
 from dschat.config import arg
-from dschat.data.collators import DataCollatorRLHF
 from dschat.errors import UserError
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
-from dschat.rlhf.evaluation import evaluate
+from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, concat_rollouts, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import EpochStream, to_device
@@ -156,14 +155,12 @@ def optimizer_step_normalizers(mbs: list[GroupBatch], loss_type: str, max_len: i
     return [max(units[w].item(), 1.0) / scale for w in window]
 
 
-class GRPO:
+class GRPO(OnPolicy):
     name = "grpo"
     help = "the GRPO family, G completions per prompt and group-relative advantages, no critic (SPEC 6)"
     uses = frozenset({"grpo"})
     output_name = "step3_grpo"
     demo_data = "prompts"  # without --data: the demo's arithmetic prompts, whose answers the rules can check
-    tokenize_as = 3  # prompts
-    collator = DataCollatorRLHF
 
     @staticmethod
     def needs(cfg: Any) -> set[str]:
@@ -216,19 +213,8 @@ class GRPO:
         return (f"GRPO loss {g.loss_type}, G {g.num_generations}, mu {g.num_iterations}, beta {g.beta}, rewards "
                 + self.scorer.describe() + (", dynamic sampling" if g.dynamic else ""))
 
-    @staticmethod
-    def inert_flags(cfg: Any) -> dict[str, str]:
-        return {}
-
-    def evaluate(self, loader: Any) -> dict[str, Any]:
-        return evaluate(self.models, self.hybrid, loader, self.gen, self.cfg.rl.temperature, self.cfg.run.seed,
-                        self.scorer)
-
     def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         return {"loss_type": self.g.loss_type}
-
-    def state(self) -> dict[str, Any]:
-        return {}
 
     @torch.no_grad()
     def make_groups(self, stream: EpochStream) -> tuple[GroupBatch | None, dict[str, float], int]:

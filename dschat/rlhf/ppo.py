@@ -18,11 +18,10 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.config import DataArgs, arg
 from dschat.data import DataCollatorSFT, load_phase
-from dschat.data.collators import DataCollatorRLHF
 from dschat.errors import UserError
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA
-from dschat.rlhf.evaluation import evaluate
+from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, answer_values, concat_rollouts, generate_rollout, pad_right
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import EpochStream, to_device, train_loader
@@ -80,14 +79,12 @@ class Experience:
                           raw_scores=torch.cat([x.raw_scores for x in parts]), **tok)
 
 
-class PPO:
+class PPO(OnPolicy):
     name = "ppo"
     help = "PPO with actor, critic, reference and reward model (SPEC 5)"
     uses = frozenset({"ppo", "critic", "critic_optim", "critic_engine", "critic_lora"})
     output_name = "step3_rlhf"  # the default --output-dir under output/
     demo_data = "pairwise"  # without --data: the demo corpus (its phase-3 prompts)
-    tokenize_as = 3  # prompts
-    collator = DataCollatorRLHF
 
     @staticmethod
     def needs(cfg: Any) -> set[str]:
@@ -137,17 +134,6 @@ class PPO:
     def describe(self) -> str:
         rm = f" (reward model {self.cfg.rewards.reward_model})" if self.cfg.rewards.reward_model else ""
         return f"PPO, rewards {self.scorer.describe()}{rm}, ZeRO critic {self.cfg.critic_engine.zero_stage}"
-
-    @staticmethod
-    def inert_flags(cfg: Any) -> dict[str, str]:
-        return {}
-
-    def evaluate(self, loader: Any) -> dict[str, Any]:
-        return evaluate(self.models, self.hybrid, loader, self.gen, self.cfg.rl.temperature, self.cfg.run.seed,
-                        self.scorer)
-
-    def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        return {}
 
     def state(self) -> dict[str, Any]:
         return {"kl_ctl": self.kl_ctl.value, "unsup_batches": self.unsup.consumed if self.unsup is not None else 0}

@@ -1,0 +1,34 @@
+"""Defaults shared by the algorithms that learn from the policy's own samples (PPO, the GRPO family): prompts
+in (the phase-3 rows), evaluation by sampling held-out prompts and scoring the answers, nothing kept between
+steps and no eval.json fields of their own unless they override."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dschat.data.collators import DataCollatorRLHF
+from dschat.rlhf.evaluation import evaluate
+
+
+class OnPolicy:
+    tokenize_as = 3  # prompts
+    collator = DataCollatorRLHF
+    cfg: Any
+    models: Any
+    hybrid: Any
+    gen: Any
+    scorer: Any
+
+    @staticmethod
+    def inert_flags(cfg: Any) -> dict[str, str]:
+        return {}
+
+    def evaluate(self, loader: Any) -> dict[str, Any]:
+        return evaluate(self.models, self.hybrid, loader, self.gen, self.cfg.rl.temperature, self.cfg.run.seed,
+                        self.scorer)
+
+    def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        return {}
