@@ -6,6 +6,7 @@ forwards its arguments to the stage command, in-process or under the ``deepspeed
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import shutil
@@ -57,7 +58,9 @@ def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: 
     def callback(config_file: str | None, **kwargs: Any) -> Any:
         ctx = click.get_current_context()
         names = canonical_names(config_cls)
-        values = {names.get(k, k): v for k, v in (load_config_file(config_file) if config_file else {}).items()}
+        sections = {f.name for f in dataclasses.fields(config_cls)}
+        from_file = load_config_file(config_file, sections) if config_file else {}
+        values = {names.get(k, k): v for k, v in from_file.items()}
         for key, value in kwargs.items():
             if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
                 values[key] = list(value) if isinstance(value, tuple) else value

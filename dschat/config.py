@@ -357,8 +357,12 @@ def _coerce(spec: FlagSpec, value: Any) -> Any:
     return out
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read ``--config FILE`` (YAML or JSON) into flat ``{flag_name: value}`` (dashes or underscores)."""
+def load_config_file(path: str | Path, sections: set[str] | None = None) -> dict[str, Any]:
+    """Read ``--config FILE`` (YAML or JSON) into flat ``{flag_name: value}`` (dashes or underscores).
+
+    Flags may sit at the top level or under their section's name (``optim: {learning_rate: ...}``); with
+    ``sections`` (the stage config's piece names) any other mapping is an error naming the key.
+    """
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
@@ -376,10 +380,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{p}: config must be a mapping of flag names to values")
     flat: dict[str, Any] = {}
     for k, v in data.items():
-        if isinstance(v, dict):  # allow the nested form {optim: {learning_rate: ...}}
-            flat.update({kk.replace("-", "_"): vv for kk, vv in v.items()})
-        else:
-            flat[k.replace("-", "_")] = v
+        if not isinstance(v, dict):
+            flat[str(k).replace("-", "_")] = v
+            continue
+        if sections is not None and k not in sections:
+            raise UserError(f"{p}: '{k}' holds a mapping, but only a section ({', '.join(sorted(sections))}) may; "
+                            "give each flag a plain value")
+        for kk, vv in v.items():
+            if isinstance(vv, dict):
+                raise UserError(f"{p}: '{k}.{kk}' holds a mapping; give each flag a plain value")
+            flat[str(kk).replace("-", "_")] = vv
     return flat
 
 

@@ -161,3 +161,13 @@ def test_stage3_refuses_in_seconds_with_one_line(tmp_path, args, needle):
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dschat: error:")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()  # stopped before the output folder was made
+
+
+def test_config_file_mapping_outside_a_section_names_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("a:\n  b: 1\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"c.yaml: 'a' holds a mapping, but only a section \(.*optim.*\) may"):
+        capture(["--config", str(path)])
+    path.write_text("optim:\n  learning_rate:\n    x: 1\n", encoding="utf-8")
+    with pytest.raises(UserError, match="'optim.learning_rate' holds a mapping"):
+        capture(["--config", str(path)])
