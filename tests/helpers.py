@@ -99,3 +99,15 @@ def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600) -> tuple[list[int]
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
     return codes, [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
+
+
+def fraction_changed(out: Path, folder: str = "actor") -> float:
+    """The share of the tiny preset's tensors that differ in ``out/folder`` (did a stage-3 run train?)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dschat.models import resolve_model
+
+    start = load_file(str(resolve_model("tiny")) + "/model.safetensors")
+    trained = load_file(str(Path(out) / folder / "model.safetensors"))
+    return sum(not torch.equal(start[k], trained[k]) for k in start) / len(start)

@@ -20,9 +20,10 @@ from dschat.rlhf.algorithms import ALGORITHMS
 from dschat.rlhf.config import RLHFConfig, check_config
 from dschat.rlhf.reinforce_pp import ReinforcePP, ReinforcePPBaseline
 from dschat.rlhf.rollout import Rollout
+from tests.helpers import fraction_changed as _moved
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
-from tests.step3_rlhf.test_grpo import _moved, grpo_cfg, reward_file  # noqa: F401 (a fixture)
+from tests.step3_rlhf.test_grpo import grpo_cfg, reward_file  # noqa: F401 (a fixture)
 
 CRITIC_FREE = ("rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")
 

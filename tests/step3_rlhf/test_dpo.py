@@ -5,16 +5,14 @@ loop trains on the phase-3 pairs (loss falls, implicit-reward accuracy rises, pa
 log-probs are computed once, simpo loads no reference, and DPO's flags are refused where they do nothing.
 """
 
-from pathlib import Path
 
 import pytest
-import torch
 
 from dschat.config import build_config, refuse_inert
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.models import resolve_model
 from dschat.rlhf.config import RLHFConfig, check_config
+from tests.helpers import fraction_changed as _moved
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
 
@@ -27,14 +25,6 @@ def dpo_cfg(out, **kw):
             "force": True}
     base.update(kw)
     return build_config(RLHFConfig, base)
-
-
-def _moved(out: Path) -> float:
-    from safetensors.torch import load_file
-
-    start = load_file(str(resolve_model("tiny")) + "/model.safetensors")
-    actor = load_file(str(out / "actor" / "model.safetensors"))
-    return sum(not torch.equal(start[k], actor[k]) for k in start) / len(start)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", pytest.param("simpo", marks=pytest.mark.slow)])

@@ -5,7 +5,6 @@ here: the loop runs for every loss type and at actor ZeRO 3, beta 0 loads no ref
 all-equal groups, and old log-probs are cached exactly when the policy moves between generation and training.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +13,13 @@ from dschat import engine as E
 from dschat.config import build_config, flag_specs
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.models import resolve_model
 from dschat.pipeline import GRPO_SFT_FOLDER, parse_stages, stage_argv
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.grpo import mask_truncated, needs_old_logprobs, optimizer_step_normalizers, select_groups
 from dschat.rlhf.rollout import Rollout, repeat_prompts
 from dschat.rlhf.scoring import reward_weights
+from tests.helpers import fraction_changed as _moved
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
 
@@ -49,14 +48,6 @@ def grpo_cfg(out, reward_file, **kw):
             "force": True}
     base.update(kw)
     return build_config(RLHFConfig, base)
-
-
-def _moved(out: Path) -> float:
-    from safetensors.torch import load_file
-
-    start = load_file(str(resolve_model("tiny")) + "/model.safetensors")
-    actor = load_file(str(out / "actor" / "model.safetensors"))
-    return sum(not torch.equal(start[k], actor[k]) for k in start) / len(start)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
