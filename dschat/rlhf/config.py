@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, merged, piece
+from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, flag_specs, merged, piece
 from dschat.errors import UserError
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
@@ -72,6 +72,9 @@ class RLEngineArgs:
     enable_ema: bool = arg(False, "Keep an exponential moving average of the actor's weights (saved to actor_ema/).")
     ema_decay: float = arg(0.992, "EMA decay per actor optimizer step.", low=0)
 
+    def inert_fields(self) -> dict[str, str]:
+        return {} if self.enable_ema else {"ema_decay": "without {enable_ema}"}
+
 
 def _model(who: str, help_model: str) -> Any:
     return piece(ModelArgs, who, only=PER_MODEL, defaults={"model": "", "dropout": 0.0},
@@ -122,8 +125,6 @@ class RLHFConfig:
 
     def inert_flags(self) -> dict[str, str]:
         """Flags of the pieces other algorithms own (``Algorithm.uses``), and reward settings no source reads."""
-        from dschat.config import flag_specs
-
         mine = self.algorithm.uses
         out = {s.name: f"with --algo {self.rl.algo}" for s in flag_specs(type(self))
                if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
@@ -133,8 +134,6 @@ class RLHFConfig:
             out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})
         if "overlong" not in names:
             out.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
-        if not self.engines.enable_ema:
-            out["ema_decay"] = "without --enable-ema"
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
         return out
