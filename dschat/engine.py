@@ -21,7 +21,6 @@ import torch.distributed as dist
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
-from dschat.devices import resolve_dtype as resolve_dtype  # re-exported: the stages call E.resolve_dtype(name)
 from dschat.errors import UserError
 
 deepspeed.utils.logger.setLevel(logging.WARNING)

@@ -16,6 +16,7 @@ import torch
 
 from dschat import engine as E
 from dschat.data import PhaseData, load_phase
+from dschat.devices import resolve_dtype
 from dschat.lora import lora_param_groups
 from dschat.models import load_tokenizer, resolve_model
 from dschat.stage import (
@@ -79,7 +80,7 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     evals = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, collator)
     total_steps, epochs = plan_steps(len(loader), cfg.optim)
 
-    dtype = E.resolve_dtype(cfg.model.dtype)
+    dtype = resolve_dtype(cfg.model.dtype)
     model = spec.make_model(model_path, dtype, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     lr = learning_rate(cfg.optim, cfg.model.model, n_params)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dschat import engine as E
+from dschat.devices import resolve_dtype
 from dschat.errors import UserError
 from dschat.lora import lora_param_groups
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
@@ -68,7 +69,7 @@ def build_models(cfg: Any, total_steps: int) -> Models:
         if not same_tokenizer(tok, load_tokenizer(critic_path, m.trust_remote_code)):
             raise UserError(f"the critic ({critic_path}) must share the actor's tokenizer; pass --critic-model with a "
                             "reward model (or the actor) trained on the actor's tokenizer")
-    dtype = E.resolve_dtype(m.dtype)
+    dtype = resolve_dtype(m.dtype)
 
     actor_lora = cfg.lora_of("actor")
     actor = create_causal_lm(actor_path, dtype, cfg.actor.dropout, cfg.actor.gradient_checkpointing,
