@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from dschat import engine as E  # noqa: E402
 from dschat.config import EngineArgs, OptimArgs  # noqa: E402
-from dschat.hybrid_engine import GenerationConfig, HybridEngine  # noqa: E402
+from dschat.generation import GenerationConfig  # noqa: E402
+from dschat.hybrid_engine import HybridEngine  # noqa: E402
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 
 

@@ -4,30 +4,22 @@ Two paths:
 
 * DeepSpeed's own hybrid engine (``--enable-hybrid-engine``), which swaps in CUDA inference kernels. It exists
   only on CUDA for supported architectures; elsewhere dschat says so once and uses the fallback.
-* The fallback, correct everywhere: eval mode (no dropout) and KV-cache ``generate`` on the actor's module, with
-  ZeRO-3 parameters gathered once for the whole call (a per-token gather would cost a collective per layer per
-  token), then back to training mode.
+* The fallback, correct everywhere: eval mode (no dropout) and a KV-cache decode loop (``dschat.generation``:
+  dschat's own loop by default, or HF ``generate``) on the actor's module, with ZeRO-3 parameters gathered once
+  for the whole call (a per-token gather would cost a collective per layer per token), then back to training
+  mode.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dschat import engine as E
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 256
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+from dschat.generation import Backend, Generated, GenerationConfig, HFBackend, make_backend
 
 
 def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
@@ -44,11 +36,13 @@ def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
 class HybridEngine:
     """Wraps the actor engine: ``generate`` in inference mode, training everywhere else."""
 
-    def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False):
+    def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False,
+                 backend: str | Backend = "auto"):
         self.actor = actor
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.use_deepspeed = use_deepspeed
+        self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self.last_generate_seconds = 0.0
 
     @property
@@ -56,44 +50,45 @@ class HybridEngine:
         return E.unwrap(self.actor)
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
-                 generator_seed: int | None = None) -> torch.Tensor:
-        """Sample answers for left-padded prompts ``(B, P)``; returns ``(B, P + A)`` (A <= max_new_tokens)."""
+    def sample(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+               generator_seed: int | None = None) -> Generated:
+        """Sample answers for left-padded prompts ``(B, P)``: sequences ``(B, P + A)`` (A <= max_new_tokens) and,
+        when the backend computes them and the actor runs in float32, each answer token's log-prob. (In fp32
+        the KV-cache log-probs equal a full forward's to ~1e-6; in half precision they are left to the forward.)"""
         t0 = time.time()
         module = self.module
         was_training = module.training
-        kwargs: dict[str, Any] = {
-            "attention_mask": prompt_mask,
-            "max_new_tokens": config.max_new_tokens,
-            "do_sample": config.do_sample,
-            "pad_token_id": self.pad_token_id,
-            "eos_token_id": self.eos_token_id,
-            "use_cache": True,
-        }
-        if config.do_sample:
-            kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
         rng = None
         if generator_seed is not None:  # reproducible sampling (evaluation) without disturbing training's RNG
             rng = torch.random.get_rng_state()
             torch.manual_seed(generator_seed)
         try:
             if self.use_deepspeed:
-                self.actor.eval()
-                out = self.actor.generate(prompt, **kwargs)
+                self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
+                out = HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
+                                           self.pad_token_id)
             else:
                 module.eval()
                 with E.gathered_parameters(module):
-                    out = module.generate(prompt, **kwargs)
+                    out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
+                                                self.pad_token_id)
         finally:
             if rng is not None:
                 torch.random.set_rng_state(rng)
             if was_training:
                 (self.actor if self.use_deepspeed else module).train()
+        if out.logprobs is not None and next(module.parameters()).dtype != torch.float32:
+            out.logprobs = None
         self.last_generate_seconds = time.time() - t0
         return out
 
+    def generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+                 generator_seed: int | None = None) -> torch.Tensor:
+        """The sequences of ``sample``."""
+        return self.sample(prompt, prompt_mask, config, generator_seed).sequences
 
-def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool) -> HybridEngine:
+
+def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str = "auto") -> HybridEngine:
     use = False
     if requested:
         ok, why = deepspeed_hybrid_supported(E.unwrap(actor))
@@ -101,4 +96,4 @@ def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool) -> HybridEng
         if not use and E.is_main():
             print(f"[hybrid engine] {why or 'actor engine was not built as a hybrid engine'}; "
                   "using eval-mode KV-cache generation with one ZeRO-3 gather per call", file=sys.stderr)
-    return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use)
+    return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use, backend=backend)

@@ -27,7 +27,8 @@ from dschat.cli import run_command, stage_command
 from dschat.data import load_phase
 from dschat.demo import demo_data
 from dschat.errors import UserError
-from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
+from dschat.generation import GenerationConfig
+from dschat.hybrid_engine import make_hybrid_engine
 from dschat.models import load_tokenizer, resolve_model
 from dschat.resume import Checkpointer
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
@@ -57,7 +58,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     # 1. the engines, the generation path, the reward sources
     models = build_models(cfg, optimizer_steps)
-    hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine)
+    hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend)
     scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
     gen = GenerationConfig(max_new_tokens=rl.max_answer_seq_len, do_sample=True, temperature=rl.temperature,
                            top_p=rl.top_p, top_k=rl.top_k)

@@ -12,6 +12,7 @@ from typing import Any
 
 from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, flag_specs, merged, piece
 from dschat.errors import UserError
+from dschat.generation import BACKENDS
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
@@ -37,6 +38,10 @@ class RLArgs:
     top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
     enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
+    generation_backend: str = arg("auto", "Decode loop of the fallback: dschat (our loop: a preallocated KV cache, "
+                                          "a lean per-token forward for Llama-architecture models, the sampling "
+                                          "pass's log-probs reused as PPO's old log-probs in fp32), hf "
+                                          "(transformers' generate); auto = dschat.", choices=BACKENDS)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class DPO:
         if not DPO.reward_func_names(cfg):
             why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
             out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len",
-                                         "enable_hybrid_engine", "reward_weights")})
+                                         "enable_hybrid_engine", "generation_backend", "reward_weights")})
         if cfg.dpo.dpo_loss_type == "simpo":
             out.update({n: "with --dpo-loss-type simpo (no reference)"
                         for n in ("reference_zero_stage", "offload_reference_model")})

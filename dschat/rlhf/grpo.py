@@ -12,6 +12,7 @@ read the GRPO flags they list in ``uses`` (``grpo_flags``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields
@@ -26,7 +27,14 @@ from dschat.errors import UserError
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
-from dschat.rlhf.rollout import Rollout, answer_logprobs, concat_rollouts, generate_rollout, repeat_prompts
+from dschat.rlhf.rollout import (
+    Rollout,
+    answer_logprobs,
+    behaviour_logprobs,
+    concat_rollouts,
+    generate_rollout,
+    repeat_prompts,
+)
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import EpochStream, to_device
 
@@ -119,8 +127,7 @@ def mask_truncated(rollout: Rollout) -> Rollout:
     so it leaves the loss instead of being pushed down (DAPO, Yu et al. 2025). Its reward still counts in its
     group's statistics."""
     keep = rollout.reached_eos.unsqueeze(1).to(rollout.action_mask)  # (B, 1)
-    return Rollout(rollout.sequences, rollout.attention_mask, rollout.action_mask * keep, rollout.prompt_len,
-                   rollout.reached_eos)
+    return dataclasses.replace(rollout, action_mask=rollout.action_mask * keep)
 
 
 def needs_old_logprobs(num_iterations: int, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
@@ -288,7 +295,7 @@ class GRPO(OnPolicy):
         offset = getattr(m.actor, "micro_steps", 0) % accum
         # Old and reference log-probs in eval mode (no dropout), once per generation.
         m.actor.eval()
-        old = answer_logprobs(m.actor, rollout, rl.temperature) if self.needs_old(n_micro, accum, offset) else None
+        old = behaviour_logprobs(m.actor, rollout, rl.temperature) if self.needs_old(n_micro, accum, offset) else None
         ref = answer_logprobs(m.ref, rollout, rl.temperature) if m.ref is not None else None
         m.actor.train()
         advantages = self.advantages(rewards.to(dev), rollout, old, ref,

@@ -22,7 +22,15 @@ from dschat.errors import UserError
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.onpolicy import OnPolicy
-from dschat.rlhf.rollout import Rollout, answer_logprobs, answer_values, concat_rollouts, generate_rollout, pad_right
+from dschat.rlhf.rollout import (
+    Rollout,
+    answer_logprobs,
+    answer_values,
+    behaviour_logprobs,
+    concat_rollouts,
+    generate_rollout,
+    pad_right,
+)
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import EpochStream, to_device, train_loader
 
@@ -155,10 +163,11 @@ class PPO(OnPolicy):
         m, p, temp = self.models, self.p, self.cfg.rl.temperature
         rollout, dropped = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen,
                                             min_answer_len=self.cfg.rl.min_answer_len)
-        # Old log-probs, reference log-probs and values in eval mode (no dropout), once per experience batch.
+        # Old log-probs (from the sampling pass when it computed them), reference log-probs and values in eval
+        # mode (no dropout), once per experience batch.
         m.actor.eval()
         m.critic.eval()
-        old_logprobs = answer_logprobs(m.actor, rollout, temp)
+        old_logprobs = behaviour_logprobs(m.actor, rollout, temp)
         ref_logprobs = answer_logprobs(m.ref, rollout, temp)
         old_values = answer_values(m.critic, rollout).float()
         raw, score = self.scores(rollout, batch)

@@ -7,7 +7,9 @@ Layout of a rollout: prompts are left-padded to ``P`` columns, so every answer s
     action_mask     (B, A)       1 on answer tokens up to and including the first EOS
 
 Log-probs and values are aligned with the answer tokens, ``(B, A)``: the log-prob of answer token ``t`` comes
-from the logits at column ``P + t - 1``; the value of the state before token ``t`` likewise.
+from the logits at column ``P + t - 1``; the value of the state before token ``t`` likewise. A rollout may carry
+the log-probs its generation computed (``logprobs``: fp32 actors, dschat's decode loop); ``behaviour_logprobs``
+uses them instead of a second actor forward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Rollout:
     action_mask: torch.Tensor
     prompt_len: int
     reached_eos: torch.Tensor  # (B,) bool
+    logprobs: torch.Tensor | None = None  # (B, A) the sampling pass's log-probs of the answer tokens, if known
 
     @property
     def answer_lengths(self) -> torch.Tensor:
@@ -39,11 +42,12 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> Rollout:
         return Rollout(self.sequences[idx], self.attention_mask[idx], self.action_mask[idx], self.prompt_len,
-                       self.reached_eos[idx])
+                       self.reached_eos[idx], None if self.logprobs is None else self.logprobs[idx])
 
 
 def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, eos_token_id: int,
-                 pad_token_id: int, min_answer_len: int = 2) -> tuple[Rollout, int]:
+                 pad_token_id: int, min_answer_len: int = 2,
+                 logprobs: torch.Tensor | None = None) -> tuple[Rollout, int]:
     """Mask everything after each answer's first EOS; answers shorter than ``min_answer_len`` get an all-zero
     action mask (dropped from every loss and count) rather than removed, so batch shapes stay equal on all
     ranks. Returns the rollout and the number of answers dropped."""
@@ -58,7 +62,9 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
     answer = answer.masked_fill(after_eos, pad_token_id)
     seq = torch.cat([prompt, answer], dim=1)
     mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
-    return Rollout(seq, mask, action_mask, P, reached_eos), int(short.sum())
+    if logprobs is not None:
+        logprobs = logprobs.float() * (~after_eos)
+    return Rollout(seq, mask, action_mask, P, reached_eos, logprobs), int(short.sum())
 
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
@@ -71,6 +77,14 @@ def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> t
     return selective_log_softmax(logits, rollout.sequences[:, rollout.prompt_len:])
 
 
+def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    """The sampling policy's log-probs of the answer tokens (PPO's and GRPO's "old" log-probs): those the
+    generation pass computed when it did, else a forward pass of ``model`` (the actor, in eval mode)."""
+    if rollout.logprobs is not None:
+        return rollout.logprobs
+    return answer_logprobs(model, rollout, temperature)
+
+
 def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
     """Critic values ``(B, A)`` of the state before each answer token."""
     values = critic(rollout.sequences, rollout.attention_mask, positions_from_mask(rollout.attention_mask))
@@ -81,9 +95,9 @@ def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: An
                      min_answer_len: int = 2) -> tuple[Rollout, int]:
     """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them (SPEC 5.1);
     every algorithm's rollouts and evaluation come from here."""
-    seqs = hybrid.generate(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
-    return make_rollout(batch["prompt"], batch["prompt_att_mask"], seqs, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, min_answer_len=min_answer_len)
+    out = hybrid.sample(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
+    return make_rollout(batch["prompt"], batch["prompt_att_mask"], out.sequences, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id, min_answer_len=min_answer_len, logprobs=out.logprobs)
 
 
 def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
@@ -108,12 +122,14 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     P = max(r.prompt_len for r in parts)
     A = max(r.action_mask.shape[1] for r in parts)
     seq, mask, amask = [], [], []
+    logps = [pad_right(r.logprobs, A, 0.0) for r in parts if r.logprobs is not None]
     for r in parts:
         lp, ra = P - r.prompt_len, A - r.action_mask.shape[1]
         seq.append(torch.nn.functional.pad(r.sequences, (lp, ra), value=pad_token_id))
         mask.append(torch.nn.functional.pad(r.attention_mask, (lp, ra), value=0))
         amask.append(pad_right(r.action_mask, A, 0))
-    return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]))
+    return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]),
+                   torch.cat(logps) if len(logps) == len(parts) else None)
 
 
 def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],

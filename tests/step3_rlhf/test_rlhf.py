@@ -7,7 +7,8 @@ import torch
 
 from dschat import engine as E
 from dschat.config import EngineArgs, OptimArgs, build_config
-from dschat.hybrid_engine import GenerationConfig, HybridEngine
+from dschat.generation import GenerationConfig
+from dschat.hybrid_engine import HybridEngine
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model
 from dschat.rlhf.config import RLHFConfig
 from dschat.rlhf.rollout import answer_logprobs, make_rollout, positions_from_mask
@@ -85,6 +86,15 @@ def test_hybrid_engine_greedy_equals_plain_generate(tiny, stage):
         b = answer_logprobs(plain, rollout)
     m = rollout.action_mask.bool()
     assert torch.allclose(a[m], b[m], atol=1e-5)
+    # the sampling pass's own log-probs (PPO's old log-probs) equal the engine's forward, ZeRO-3 included
+    torch.manual_seed(0)
+    sampled = hybrid.sample(prompt, mask, GenerationConfig(max_new_tokens=12, temperature=0.8))
+    rollout, _ = make_rollout(prompt, mask, sampled.sequences, tok.eos_token_id, tok.pad_token_id,
+                              logprobs=sampled.logprobs)
+    with torch.no_grad():
+        forward = answer_logprobs(engine, rollout, temperature=0.8)
+    m = rollout.action_mask.bool()
+    assert m.any() and torch.allclose(rollout.logprobs[m], forward[m], atol=1e-5)
 
 
 def ppo_cfg(out, **kw):

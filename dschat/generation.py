@@ -1,0 +1,263 @@
+"""Sampling answers: the one decode loop behind every caller that generates (stage 3's rollouts and evaluation,
+``dschat generate``, ``dschat eval``).
+
+A backend turns left-padded prompts ``(B, P)`` into ``Generated``: the sequences ``(B, P + A)`` (A <= the token
+budget; the loop stops as soon as every row has ended) and, where the backend computes them, the log-prob of
+every sampled token under the tempered full-vocabulary distribution (what ``rollout.answer_logprobs`` computes
+with a forward pass, so PPO can take its old log-probs from here instead of a second actor forward).
+
+Backends (``--generation-backend``):
+
+* ``dschat``: our decode loop. Prefill once, then one forward per token into a KV cache that is allocated once
+  for the whole answer budget (no per-token concatenation), sampling in the loop (temperature, top-k, top-p in
+  the order HF applies them), stopping when every row has produced EOS. For Llama-architecture models (llama,
+  mistral, qwen2 and other configs with the same layer layout) the per-token forward is a lean function over the
+  model's own weights: the same operations as the HF modules without their per-call machinery (mask building,
+  cache objects, hooks). Any other model, or one whose layers are wrapped (LoRA), runs the same loop through its
+  HF ``forward`` with a ``DynamicCache``.
+* ``hf``: ``model.generate`` (HF's loop; no log-probs).
+
+Greedy decoding gives the same tokens as HF ``generate`` (tested). A GPU serving engine (vLLM, DeepSpeed
+inference) plugs in as another backend with the same ``generate`` signature (docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "dschat", "hf")
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class Generated:
+    sequences: torch.Tensor  # (B, P + A): prompts as given, then the answers (pad after each row's EOS)
+    logprobs: torch.Tensor | None = None  # (B, A) float32 log-prob of each answer token (0 after EOS)
+
+
+class Backend(Protocol):
+    name: str
+
+    def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                 config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated: ...
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def warp_logits(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) filtering, as HF's sampling warpers apply them."""
+    logits = logits / config.temperature if config.temperature != 1.0 else logits
+    if config.top_k and config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - config.top_p
+        drop[..., -1:] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """(B, V) float32 logits -> (B,) next tokens: argmax, or a sample of the warped distribution."""
+    if not config.do_sample:
+        return logits.argmax(-1)
+    probs = warp_logits(logits, config).softmax(-1)
+    return torch.multinomial(probs, 1).squeeze(1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature) over the whole vocabulary (no top-k/top-p), float32."""
+    logits = logits / temperature if temperature != 1.0 else logits
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+# ------------------------------------------------------------------------------------------------ decoders
+class LeanLlama:
+    """Prefill and per-token forward of a Llama-architecture model over its own weights, with a KV cache of
+    fixed size. Numerically the same operations as transformers' Llama/Mistral/Qwen2 modules in eval mode."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, total: int):
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        self.H = cfg.num_attention_heads
+        self.Hkv = cfg.num_key_value_heads or self.H
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.eps = cfg.rms_norm_eps
+        w = self.inner.embed_tokens.weight
+        shape = (batch, self.Hkv, total, self.D)
+        self.k = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
+        self.v = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
+        self.keys = torch.zeros(batch, total, dtype=torch.bool, device=w.device)  # which cache columns are real
+        self.length = 0
+
+    @staticmethod
+    def supported(model: torch.nn.Module, total: int) -> tuple[bool, str]:
+        cfg = getattr(model, "config", None)
+        kind = getattr(cfg, "model_type", "")
+        if kind not in LEAN_MODEL_TYPES:
+            return False, f"model_type {kind!r}"
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+            return False, "unexpected module layout"
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+            return False, "MLP other than bias-free SiLU"
+        if (getattr(cfg, "pretraining_tp", 1) or 1) != 1:
+            return False, "pretraining_tp > 1"
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) and total > window:
+            return False, "sliding-window attention shorter than the sequence"
+        for layer in inner.layers:
+            a, f = layer.self_attn, layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
+                if type(lin) is not torch.nn.Linear:  # LoRA or another wrapper: its forward is not just F.linear
+                    return False, f"wrapped linear layer ({type(lin).__name__})"
+            for extra in ("q_norm", "k_norm"):
+                if hasattr(a, extra):
+                    return False, f"attention with {extra}"
+        if type(model.lm_head) is not torch.nn.Linear:
+            return False, "wrapped lm_head"
+        return True, ""
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` (B, n) at ``positions`` (B, n), appending their keys/values to the cache; ``real`` (B, n)
+        marks non-pad tokens. Returns the last position's logits (B, V) in float32."""
+        B, n = ids.shape
+        start, end = self.length, self.length + n
+        self.keys[:, start:end] = real.bool()
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = self.keys[:, None, None, :end]
+        if n > 1:  # prefill: causal within the new tokens; each query also sees itself (pad rows stay finite)
+            causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            mask = mask.expand(B, 1, n, end).clone()
+            mask[..., start:] &= causal
+            mask[..., start:] |= torch.eye(n, dtype=torch.bool, device=ids.device)
+        H, Hkv, D = self.H, self.Hkv, self.D
+        for i, layer in enumerate(self.inner.layers):
+            a, f = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm.weight)
+            q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(B, n, H, D).transpose(1, 2)
+            k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(B, n, Hkv, D).transpose(1, 2)
+            v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(B, n, Hkv, D).transpose(1, 2)
+            self.k[i][:, :, start:end] = self._rotate(k, cos, sin)
+            self.v[i][:, :, start:end] = v
+            o = F.scaled_dot_product_attention(self._rotate(q, cos, sin), self.k[i][:, :, :end],
+                                               self.v[i][:, :, :end], attn_mask=mask, enable_gqa=H != Hkv)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, n, H * D), a.o_proj.weight, a.o_proj.bias)
+            h = self._norm(x, layer.post_attention_layernorm.weight)
+            x = x + F.linear(F.silu(F.linear(h, f.gate_proj.weight)) * F.linear(h, f.up_proj.weight),
+                             f.down_proj.weight)
+        self.length = end
+        last = self._norm(x[:, -1], self.inner.norm.weight)
+        return F.linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float()
+
+
+class HFForward:
+    """The same contract through the model's own ``forward`` and a ``DynamicCache`` (any causal LM)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, total: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(batch, 0, dtype=torch.long, device=next(model.parameters()).device)
+        # only the last position's logits when the model can skip the rest (a prefill over a large vocabulary)
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, real.long()], dim=1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True, **self.keep)
+        return out.logits[:, -1].float()
+
+
+def _eos_ids(eos_token_id: int | list[int], device: torch.device) -> torch.Tensor:
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    return torch.tensor(list(ids), device=device)
+
+
+class DschatBackend:
+    name = "dschat"
+
+    def __init__(self, lean: bool = True):
+        self.lean = lean
+
+    def decoder(self, module: torch.nn.Module, batch: int, total: int) -> LeanLlama | HFForward:
+        if self.lean and LeanLlama.supported(module, total)[0]:
+            return LeanLlama(module, batch, total)
+        return HFForward(module, batch, total)
+
+    @torch.no_grad()
+    def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                 config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated:
+        B, P = prompt.shape
+        N = config.max_new_tokens
+        dec = self.decoder(module, B, P + N)
+        eos = _eos_ids(eos_token_id, prompt.device)
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = dec.forward(prompt, positions, prompt_mask)
+        position = positions[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+        tokens, logps = [], []
+        ones = torch.ones(B, 1, dtype=torch.long, device=prompt.device)
+        for t in range(N):
+            tok = next_token(logits, config)
+            logps.append(token_logprobs(logits, tok, config.temperature).masked_fill(done, 0.0))
+            tok = tok.masked_fill(done, pad_token_id)
+            tokens.append(tok)
+            done = done | torch.isin(tok, eos)
+            if t == N - 1 or bool(done.all()):
+                break
+            logits = dec.forward(tok[:, None], position, ones)
+            position = position + 1
+        answer = torch.stack(tokens, dim=1)
+        return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1))
+
+
+class HFBackend:
+    name = "hf"
+
+    @torch.no_grad()
+    def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                 config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated:
+        kwargs: dict[str, Any] = {"attention_mask": prompt_mask, "max_new_tokens": config.max_new_tokens,
+                                  "do_sample": config.do_sample, "pad_token_id": pad_token_id,
+                                  "eos_token_id": eos_token_id, "use_cache": True}
+        if config.do_sample:
+            kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
+        return Generated(module.generate(prompt, **kwargs))
+
+
+def make_backend(name: str) -> Backend:
+    """``auto`` and ``dschat`` are our loop; ``hf`` is transformers' ``generate``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown generation backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return HFBackend() if name == "hf" else DschatBackend()

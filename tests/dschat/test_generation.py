@@ -1,0 +1,150 @@
+"""dschat's decode loop (dschat.generation) against transformers' generate, on tiny random models of several
+architectures: greedy tokens must be identical (left padding, EOS mid-answer, early stop), the loop's log-probs
+must equal a full forward's, and the sampling warpers must cut exactly what HF's cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from dschat.generation import (
+    DschatBackend,
+    GenerationConfig,
+    HFForward,
+    LeanLlama,
+    next_token,
+    token_logprobs,
+    warp_logits,
+)
+from dschat.rlhf.rollout import answer_logprobs, make_rollout
+
+PAD = 0
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128, pad_token_id=PAD)
+
+
+def model_of(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    if kind == "llama_gqa_rope3":  # grouped-query attention and llama-3 rope scaling
+        cfg = LlamaConfig(**{**SMALL, "num_key_value_heads": 2},
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        return LlamaForCausalLM(cfg).eval()
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**{**SMALL, "num_key_value_heads": 2})).eval()
+    if kind == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL, num_key_value_heads=4, tie_word_embeddings=True)).eval()
+    if kind == "gpt2":  # not a Llama layout: the loop runs through the model's own forward
+        return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=128)).eval()
+    raise KeyError(kind)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 3, 6)):  # left padding of different widths
+        ids[row, :pad] = PAD
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def hf_greedy(model, ids, mask, n, eos):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD,
+                          eos_token_id=eos)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_gqa_rope3", "mistral", "qwen2", "gpt2"])
+def test_greedy_equals_hf_generate(kind):
+    model = model_of(kind)
+    ids, mask = prompts()
+    backend = DschatBackend()
+    lean = isinstance(backend.decoder(model, 3, 30), LeanLlama)
+    assert lean == (kind != "gpt2")
+    with torch.no_grad():
+        free = hf_greedy(model, ids, mask, 20, eos=1)  # token 1 as EOS: rarely produced
+        # make EOS a token that row 0 produces mid-answer, so rows end at different steps and the loop must pad
+        # the ended rows and stop when all have ended, as HF does
+        eos = int(free[0, ids.shape[1] + 4])
+        want = hf_greedy(model, ids, mask, 20, eos=eos)
+        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=20, do_sample=False), eos, PAD)
+    assert torch.equal(got.sequences, want)
+    assert (got.sequences[0, ids.shape[1] + 5:] == PAD).all()
+
+
+def test_stops_when_every_row_has_ended():
+    model = model_of("llama")
+    ids, mask = prompts()
+    with torch.no_grad():
+        free = hf_greedy(model, ids, mask, 6, eos=1)
+        # every row's first answer token as EOS: all rows end at step 1
+        eos = [int(t) for t in free[:, ids.shape[1]]]
+        got = DschatBackend().generate(model, ids, mask, GenerationConfig(max_new_tokens=30, do_sample=False),
+                                       eos, PAD)
+    assert got.sequences.shape[1] == ids.shape[1] + 1
+
+
+def test_loop_logprobs_equal_a_forward_pass():
+    """The sampling pass's log-probs are what PPO uses as old log-probs: they must equal answer_logprobs."""
+    for kind in ("llama", "gpt2"):
+        model = model_of(kind)
+        ids, mask = prompts()
+        torch.manual_seed(3)
+        cfg = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+        with torch.no_grad():
+            out = DschatBackend().generate(model, ids, mask, cfg, 5, PAD)
+            rollout, _ = make_rollout(ids, mask, out.sequences, 5, PAD, min_answer_len=0, logprobs=out.logprobs)
+            forward = answer_logprobs(model, rollout, temperature=0.7)
+        m = rollout.action_mask.bool()
+        assert m.sum() >= 16
+        assert torch.allclose(rollout.logprobs[m], forward[m], atol=1e-5), kind
+        assert (rollout.logprobs[~m] == 0).all()
+
+
+def test_wrapped_layers_take_the_forward_path():
+    model = model_of("llama")
+    model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
+    ok, why = LeanLlama.supported(model, 30)
+    assert not ok and "wrapped" in why
+    assert isinstance(DschatBackend().decoder(model, 3, 30), HFForward)
+
+
+def test_warpers_hand_worked():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    # top-k 2 keeps the two largest
+    out = warp_logits(logits, GenerationConfig(top_k=2))
+    assert torch.isinf(out[0, 2:]).all() and torch.equal(out[0, :2], logits[0, :2])
+    # probabilities: softmax([2,1,0,-1]) = [0.6439, 0.2369, 0.0871, 0.0321]; top-p 0.8 keeps {0, 1} (0.881 >= 0.8),
+    # top-p 0.6 keeps only token 0 (0.644 >= 0.6)
+    assert torch.isinf(warp_logits(logits, GenerationConfig(top_p=0.8))[0]).tolist() == [False, False, True, True]
+    assert torch.isinf(warp_logits(logits, GenerationConfig(top_p=0.6))[0]).tolist() == [False, True, True, True]
+    # temperature 2 halves the logits
+    assert torch.allclose(warp_logits(logits, GenerationConfig(temperature=2.0)), logits / 2)
+    # sampling never picks a cut token
+    torch.manual_seed(0)
+    picks = {int(next_token(logits.repeat(200, 1), GenerationConfig(top_k=2)).max())}
+    assert picks <= {0, 1}
+    # log-prob of token 1 at temperature 1: 1 - logsumexp([2,1,0,-1]) = 1 - 2.4402 = -1.4402
+    assert token_logprobs(logits, torch.tensor([1]), 1.0).item() == pytest.approx(-1.44019, abs=1e-4)
+
+
+def test_warpers_match_hf():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    cfg = GenerationConfig(temperature=0.7, top_k=10, top_p=0.8)
+    want = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, TemperatureLogitsWarper(0.7)(None, logits)))
+    assert torch.equal(torch.isinf(warp_logits(logits, cfg)), torch.isinf(want))
