@@ -1,14 +1,18 @@
-"""Experience-generation throughput of the hybrid engine's fallback path, against the naive alternatives.
+"""Generation throughput: dschat's decode loop against HF ``generate`` and the naive alternatives.
 
-Measured in one process, on the same weights and prompts, so the ratios are what matter (absolute numbers depend
-on the machine):
+Measured in one process, on the same weights and prompts, interleaved (each variant once per round, rounds
+repeated), so the ratios are what matter (absolute numbers depend on the machine and its load):
 
-* ``hybrid``: dschat's path: eval mode, KV-cache ``generate``, ZeRO-3 parameters gathered once per call.
-* ``zero3-per-step``: ``generate`` on the ZeRO-3-partitioned module without the single gather, so every layer's
-  parameters are fetched for every generated token (what a plain ``engine.module.generate`` does).
-* ``no-kv-cache``: the single gather, but ``use_cache=False`` (recomputes the whole prefix per token).
+* ``dschat``: the hybrid engine's default: eval mode, ZeRO-3 parameters gathered once per call, dschat's decode
+  loop (preallocated KV cache, lean per-token forward for Llama-architecture models).
+* ``hf``: the same, with transformers' ``generate`` as the loop (``--generation-backend hf``): the bare ceiling.
+* ``hf, ZeRO-3 per-token gathers``: ``generate`` on the partitioned module without the single gather.
+* ``hf, no KV cache``: the single gather, ``use_cache=False`` (recomputes the prefix per token).
 
-    python benchmarks/bench_generation.py --batch 16 --new-tokens 64 --repeats 3
+Sampling is seeded and both loops draw identical tokens, and EOS is disabled, so every variant generates exactly
+``--new-tokens`` tokens per row: equal work per call.
+
+    python benchmarks/bench_generation.py --model tiny --batch 8 --new-tokens 64 --rounds 5
     deepspeed --num_gpus 2 benchmarks/bench_generation.py ...      (ZeRO-3 shards over 2 ranks: real gathers)
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -29,78 +34,78 @@ from dschat.generation import GenerationConfig  # noqa: E402
 from dschat.hybrid_engine import HybridEngine  # noqa: E402
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 
+PROMPTS = ["\n\nHuman: 我的订单什么时候发货？\n\nAssistant:", "\n\nHuman: Where is my refund?\n\nAssistant:",
+           "\n\nHuman: 这个耳机支持降噪吗？能连两台设备吗？\n\nAssistant:",
+           "\n\nHuman: Can I change the delivery address of an order that has shipped?\n\nAssistant:"]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--zero-stage", type=int, default=3)
+    ap.add_argument("--skip-slow", action="store_true", help="only dschat vs hf (no per-token gathers, no-cache)")
     ap.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
     args = ap.parse_args()
 
     E.setup_distributed()
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
-    engine = E.build_train_engine(create_causal_lm(path), engine=EngineArgs(zero_stage=3),
+    engine = E.build_train_engine(create_causal_lm(path), engine=EngineArgs(zero_stage=args.zero_stage),
                                   optim=OptimArgs(learning_rate=1e-5, per_device_train_batch_size=args.batch),
                                   dtype=torch.float32, total_steps=1)
     module = E.unwrap(engine)
-    hybrid = HybridEngine(engine, tok.pad_token_id, tok.eos_token_id)
-    text = "\n\nHuman: 我的订单什么时候发货？\n\nAssistant:"
-    prompt = torch.tensor([tok(text)["input_ids"]] * args.batch)
-    mask = torch.ones_like(prompt)
-    # min_new_tokens keeps every variant generating exactly new_tokens tokens: equal work per call.
-    common = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    never = len(tok) + 7  # an EOS id no row can sample: every call generates exactly new_tokens per row
+    ours = HybridEngine(engine, tok.pad_token_id, never, backend="dschat")
+    hf = HybridEngine(engine, tok.pad_token_id, never, backend="hf")
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
+    enc = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, enc))
+    prompt = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in enc])
+    mask = (prompt != tok.pad_token_id).long()
+    cfg = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=True)
+    common = dict(max_new_tokens=args.new_tokens, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id,
+                  eos_token_id=never)
 
-    def hybrid_call() -> None:
-        hybrid.generate(prompt, mask, GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False))
-
-    def per_step_call() -> None:
+    def hf_per_token() -> torch.Tensor:
         module.eval()
         with torch.no_grad():
-            module.generate(prompt, attention_mask=mask, **common)
+            out = module.generate(prompt, attention_mask=mask, **common)
         module.train()
+        return out
 
-    def no_cache_call() -> None:
+    def hf_no_cache() -> torch.Tensor:
         module.eval()
         with torch.no_grad(), E.gathered_parameters(module):
-            module.generate(prompt, attention_mask=mask, use_cache=False, **common)
+            out = module.generate(prompt, attention_mask=mask, use_cache=False, **common)
         module.train()
+        return out
 
-    # The hybrid path stops at EOS; force the same length for a fair comparison.
-    hybrid_kwargs_patch(hybrid, args.new_tokens)
-    rows = []
-    for name, fn in (("hybrid (1 gather, KV cache)", hybrid_call), ("ZeRO-3 per-step gathers", per_step_call),
-                     ("1 gather, no KV cache", no_cache_call)):
-        fn()  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(args.repeats):
+    variants = [("dschat", lambda: ours.generate(prompt, mask, cfg, generator_seed=0)),
+                ("hf", lambda: hf.generate(prompt, mask, cfg, generator_seed=0))]
+    if not args.skip_slow:
+        variants += [("hf, ZeRO-3 per-token gathers", hf_per_token), ("hf, no KV cache", hf_no_cache)]
+    a, b = variants[0][1](), variants[1][1]()  # warm-up, and the check that both loops draw the same tokens
+    same = torch.equal(a, b)
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants:
+            t0 = time.perf_counter()
             fn()
-        dt = (time.perf_counter() - t0) / args.repeats
-        rows.append((name, args.batch * args.new_tokens / dt))
-    base = rows[0][1]
+            times[name].append(time.perf_counter() - t0)
     if not E.is_main():
         return
-    print(f"world size {E.world_size()}; ", end="")
-    print(f"model {args.model}, batch {args.batch}, {args.new_tokens} new tokens, ZeRO-3, "
-          f"{torch.get_num_threads()} threads, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
-    print("| path | tokens/s | hybrid speed-up |\n|---|---|---|")
-    for name, tps in rows:
-        print(f"| {name} | {tps:.0f} | {base / tps:.2f}x |")
-
-
-def hybrid_kwargs_patch(hybrid: HybridEngine, n: int) -> None:
-    """Make the hybrid engine generate exactly ``n`` tokens (benchmark only)."""
-    module = hybrid.module
-    original = module.generate
-
-    def generate(*a, **kw):  # type: ignore[no-untyped-def]
-        kw["min_new_tokens"] = n
-        return original(*a, **kw)
-
-    module.generate = generate  # type: ignore[method-assign]
+    tokens = args.batch * args.new_tokens
+    hf_tps = tokens / statistics.median(times["hf"])
+    print(f"world size {E.world_size()}; model {args.model}, batch {args.batch}, prompt width {width}, "
+          f"{args.new_tokens} new tokens, ZeRO-{args.zero_stage}, {torch.get_num_threads()} threads, "
+          f"{'CUDA' if torch.cuda.is_available() else 'CPU'}; identical samples: {same}")
+    print("| loop | new tokens/s (median of rounds) | vs hf generate |\n|---|---|---|")
+    for name, ts in times.items():
+        tps = tokens / statistics.median(ts)
+        print(f"| {name} | {tps:.0f} | {tps / hf_tps:.2f}x |")
 
 
 if __name__ == "__main__":
