@@ -105,6 +105,10 @@ class LeanLlama:
         self.v = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
         self.keys = torch.zeros(batch, total, dtype=torch.bool, device=w.device)  # which cache columns are real
         self.length = 0
+        # rotary cos/sin of every position once (each entry is one product inv_freq * position, so looking it up
+        # gives the same bits as computing it per step)
+        cos, sin = self.inner.rotary_emb(w[:1], torch.arange(total, device=w.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # (total, D)
 
     @staticmethod
     def supported(model: torch.nn.Module, total: int) -> tuple[bool, str]:
@@ -115,6 +119,9 @@ class LeanLlama:
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
             return False, "unexpected module layout"
+        rope = getattr(inner.rotary_emb, "rope_type", "default")
+        if rope in ("dynamic", "longrope"):  # their frequencies depend on the sequence length seen so far
+            return False, f"rope_type {rope}"
         if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
             return False, "MLP other than bias-free SiLU"
         if (getattr(cfg, "pretraining_tp", 1) or 1) != 1:
@@ -152,8 +159,7 @@ class LeanLlama:
         start, end = self.length, self.length + n
         self.keys[:, start:end] = real.bool()
         x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, n, D)
         mask = self.keys[:, None, None, :end]
         if n > 1:  # prefill: causal within the new tokens; each query also sees itself (pad rows stay finite)
             causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
