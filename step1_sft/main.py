@@ -4,21 +4,19 @@
     deepspeed --num_gpus 2 step1_sft/main.py --model chinese-llama-2-7b --zero-stage 3 ...
     dschat train --step 1 ...        (the same flags)
 
-Reads top to bottom: what one micro-batch does and how the model is evaluated; the shared one-model loop
-(``dschat.supervised``: set up, evaluate, train, evaluate) runs it; then save and report.
+Reads top to bottom: what one micro-batch does and how the model is evaluated (the answer tokens' perplexity,
+``dschat.sft_eval``, which ``dschat eval --step 1`` shares); the shared one-model loop (``dschat.supervised``: set
+up, evaluate, train, evaluate) runs it; then save and report.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch
 
 from dschat import engine as E
 from dschat.checkpoint import save_hf
@@ -27,32 +25,9 @@ from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
 from dschat.demo import demo_data
 from dschat.models import create_causal_lm
-from dschat.stage import lockstep_batches, to_device
+from dschat.sft_eval import evaluate_perplexity
 from dschat.supervised import OneModelStage, train_one_model
 from dschat.tracking import write_eval
-
-
-@torch.no_grad()
-def evaluate_perplexity(model: Any, loader: Any) -> dict[str, float]:
-    """Token-level perplexity over the answer tokens (labels != -100), summed exactly across ranks."""
-    was_training = model.training
-    model.eval()
-    nll, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for batch, real in lockstep_batches(loader):
-        batch = to_device(batch, E.device())
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        if not real:
-            continue
-        labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
-                                                 ignore_index=-100, reduction="sum")
-        nll += loss.double().cpu()
-        count += (labels != -100).sum().double().cpu()
-    nll, count = E.all_reduce_sum(nll), E.all_reduce_sum(count)
-    if was_training:
-        model.train()
-    mean = (nll / count.clamp(min=1)).item()
-    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:

@@ -219,12 +219,14 @@ def count_line(phase: int, counts: dict[str, int]) -> str:
 
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
                log: Any = print, default_data: Callable[[], Sequence[str]] | None = None,
-               tokenize_as: int | None = None) -> PhaseData:
+               tokenize_as: int | None = None, need_train: bool = True) -> PhaseData:
     """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk; ``tokenize_as``
     (default ``phase``) tokenizes that part as another phase's rows (offline DPO: the phase-3 part as pairs).
 
     Without ``data.data`` the sources are ``default_data()`` (the stage mains pass the demo corpus,
-    ``dschat.demo.demo_data``); with neither there is nothing to train on, a user error.
+    ``dschat.demo.demo_data``); with neither there is nothing to train on, a user error. ``need_train`` False
+    (``dschat eval``, which reads only the held-out rows): a phase without training rows is fine, so
+    ``--eval-fraction 1`` holds out every row.
     """
     split = parse_split(data.data_split)
     judge_system = read_system_prompt(data.judge_system_prompt) if data.judge_system_prompt else None
@@ -261,7 +263,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
                         "test_rows": len(raw.test) if raw.test is not None else 0,
                         "train_rows": len(train) - before, "weight": spec.weight})
         log(f"data: {raw.name}: {len(raw.train)} rows, format {fmt}, phase {phase} train rows {len(train) - before}")
-    if not train:
+    if not train and (need_train or not evals):
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no rows in this phase's part"
         needs = {1: "a response (pairwise or sft rows)", 2: "chosen/rejected pairs", 3: "a prompt"}[shape]
         formats = ", ".join(f"{s['name']} is {s['format']}" for s in sources)

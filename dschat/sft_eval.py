@@ -1,0 +1,82 @@
+"""Language-model evaluation, shared by stage 1 (before, during and after training) and ``dschat eval --step 1``.
+
+The metric is the token-level loss and perplexity of the answer tokens (``labels != -100``, SPEC 2: the prompt is
+masked unless ``--no-mask-prompt``) of ``DataCollatorSFT`` batches, as sums over every rank, so evaluating
+disjoint shards on N ranks gives exactly the single-process numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat.data import DataCollatorSFT, load_phase
+from dschat.devices import resolve_dtype
+from dschat.errors import UserError
+from dschat.models import create_causal_lm, load_tokenizer, resolve_saved_model
+from dschat.stage import eval_loader, lockstep_batches, to_device
+
+
+@torch.no_grad()
+def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | None = None) -> dict[str, float]:
+    """Token-level loss and perplexity over the answer tokens (labels != -100), summed exactly across ranks.
+    ``tick(rows)`` is called after each batch (a progress bar)."""
+    was_training = model.training
+    model.eval()
+    nll, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for batch, real in lockstep_batches(loader):
+        batch = to_device(batch, E.device())
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        if not real:
+            continue
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100, reduction="sum")
+        nll += loss.double().cpu()
+        count += (labels != -100).sum().double().cpu()
+        if tick is not None:
+            tick(batch["input_ids"].shape[0])
+    nll, count = E.all_reduce_sum(nll), E.all_reduce_sum(count)
+    if was_training:
+        model.train()
+    mean = (nll / count.clamp(min=1)).item()
+    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+
+
+def evaluate_saved_lm(cfg: Any, default_data: Callable[[], Sequence[str]] | None = None, progress: bool = True,
+                      log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Loss and perplexity of a saved causal LM on the held-out rows of train phase 1, chosen exactly as stage 1
+    chooses them (``cfg`` an ``SFTConfig``: ``--data``, ``--data-split``, ``--eval-fraction``,
+    ``--max-eval-rows``, ``--seed``, ``--max-seq-len``, ``--mask-prompt``), so a stage's own figure is
+    reproduced with its flags. ``cfg.model.model`` may be a stage output folder (its ``model/``)."""
+    t0 = time.time()
+    path = resolve_saved_model(cfg.model.model)
+    tokenizer = load_tokenizer(path, cfg.model.trust_remote_code)
+    data = load_phase(cfg.data, 1, tokenizer, cfg.run.seed, log=log, default_data=default_data, need_train=False)
+    if not data.eval:
+        raise UserError("no held-out rows to evaluate: the phase-1 part has no test split and --eval-fraction or "
+                        "--max-eval-rows leaves none (to score every row of a file: --data-split 1,0,0 "
+                        "--eval-fraction 1 --max-eval-rows 0)")
+    dtype = resolve_dtype(cfg.model.dtype, E.device())
+    model = create_causal_lm(path, dtype, trust_remote_code=cfg.model.trust_remote_code)
+    model = E.build_eval_engine(model, zero_stage=0, offload=False, dtype=dtype)  # frozen, on this device
+    loader = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, DataCollatorSFT(tokenizer.pad_token_id))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(data.eval), desc="eval", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    try:
+        result = evaluate_perplexity(model, loader, tick=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    counts = {k: v for k, v in data.counts.items() if k != "train_rows"}
+    return {"model": path, **result, **counts, "sources": data.sources,
+            "seconds": round(time.time() - t0, 1)}
