@@ -398,11 +398,17 @@ class JudgeReward:
             raise UserError("reward 'judge' needs a reference answer on every row (the 'answer' field of "
                             "prompt-only rows) to compare the policy's completion with")
         row_prompts = list(prompt) if prompt is not None else [None] * len(prompts)
+        questions = [question_of(raw, decoded) for decoded, raw in zip(prompts, row_prompts, strict=True)]
+        return self.compare(questions, completions, [str(a) for a in answer])
+
+    def compare(self, questions: Sequence[str], completions: Sequence[str], others: Sequence[str]) -> list[float]:
+        """Each completion against the other answer to its question, in both orders: the mean of +1 (judged
+        better), -1 (worse) and 0 (unparseable) over the completion as A and as B. ``dschat eval --step 3``
+        compares a policy's answers with a baseline's this way."""
         queries: list[Messages] = []
-        for decoded, raw, completion, ref in zip(prompts, row_prompts, completions, answer, strict=True):
-            question = question_of(raw, decoded)
-            queries.append(judge_messages(question, completion, str(ref), self.system))  # policy as A
-            queries.append(judge_messages(question, str(ref), completion, self.system))  # policy as B
+        for question, completion, other in zip(questions, completions, others, strict=True):
+            queries.append(judge_messages(question, completion, other, self.system))  # completion as A
+            queries.append(judge_messages(question, other, completion, self.system))  # completion as B
         verdicts = self.judge(queries)
         out = []
         for i in range(len(completions)):
@@ -414,10 +420,10 @@ class JudgeReward:
 
 
 def load_judge_reward(model: str, max_new_tokens: int = 128, system_prompt_file: str = "", dtype: str = "auto",
-                      trust_remote_code: bool = False, batch_size: int = 32) -> JudgeReward:
+                      trust_remote_code: bool = False, batch_size: int = 32, progress: bool = False) -> JudgeReward:
     """The reward function ``judge`` of stage 3: the judge at ``model`` (greedy, so a completion's reward does
     not depend on sampling noise) on this rank's device. It is a plain frozen module, not a DeepSpeed engine:
-    each rank holds a copy and judges its own completions."""
+    each rank holds a copy and judges its own completions. ``progress``: a bar per call (``dschat eval``)."""
     from dschat import engine as E  # deepspeed: imported only when a run uses a judge
 
     lm, tok, limit = load_judge(model, dtype, E.device(), trust_remote_code)
@@ -426,7 +432,7 @@ def load_judge_reward(model: str, max_new_tokens: int = 128, system_prompt_file:
     system = read_system_prompt(system_prompt_file) if system_prompt_file else None
 
     def run(queries: list[Messages]) -> list[str | None]:
-        judgements, _ = judge_prompts(lm, tok, queries, s, budget)
+        judgements, _ = judge_prompts(lm, tok, queries, s, budget, progress=progress)
         return [j.verdict for j in judgements]
 
     return JudgeReward(run, system)

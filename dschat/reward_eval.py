@@ -22,6 +22,7 @@ import torch
 from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
+from dschat.errors import UserError
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
 from dschat.reward_model import RewardModel
 from dschat.stage import EvalLoader, lockstep_batches, to_device
@@ -50,6 +51,19 @@ def is_reward_checkpoint(path: str, trust_remote_code: bool = False) -> bool:
 
     archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
     return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def check_reward_checkpoint(path: str, trust_remote_code: bool = False) -> None:
+    """Stop with one line unless ``path`` holds a trained reward model: a ``*ForSequenceClassification`` with one
+    label (a causal LM would be scored by a randomly initialised head)."""
+    from transformers import AutoConfig
+
+    if not is_reward_checkpoint(path, trust_remote_code):
+        raise UserError(f"{path}: not a reward model (its config names no *ForSequenceClassification "
+                        "architecture); a causal LM would be scored by a random head")
+    num_labels = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).num_labels
+    if num_labels != 1:
+        raise UserError(f"{path}: a reward model has one output label, this one has {num_labels}")
 
 
 def reward_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], rm_loss: str = "pairwise",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dschat import engine as E
 from dschat.rewards import RM
-from dschat.rlhf.rollout import answer_logprobs, generate_rollout
+from dschat.rlhf.rollout import answer_logprobs, completion_texts, generate_rollout
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import lockstep_batches, to_device
 from dschat.stats import paired_se
@@ -17,14 +18,19 @@ from dschat.stats import paired_se
 
 @torch.no_grad()
 def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
-             scorer: Scorer) -> dict[str, Any]:
+             scorer: Scorer | None, detail: bool = False, tick: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Mean reward (with its standard error) and the mean of each reward source, KL to the reference (when there
     is one) and answer length on held-out prompts, one completion per prompt.
 
-    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers.
+    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers. ``scorer``
+    None: no reward (``dschat eval`` with a judge alone). ``detail``: also the per-prompt values under
+    ``"per_prompt"`` (each source's reward, KL, length, EOS, and the decoded prompts and completions), for
+    ``dschat eval``'s paired statistics; ``tick(prompts)`` after each batch (a progress bar).
     """
-    names = scorer.mixer.names
-    cols: dict[str, list[float]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
+    names = scorer.mixer.names if scorer is not None else []
+    cols: dict[str, list[Any]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
+    texts: dict[str, list[str]] = {"prompts": [], "completions": []}
+    was_training = models.actor.training
     models.actor.eval()
     # Lockstep: under ZeRO-3 the gather around generate and every forward are collectives on all ranks.
     for i, (batch, real) in enumerate(lockstep_batches(loader)):
@@ -36,17 +42,25 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
             logp = answer_logprobs(models.actor, rollout, temperature)
             ref = answer_logprobs(models.ref, rollout, temperature)
             kl = ((logp - ref) * mask).sum(-1)  # per-sequence KL estimate (k1 summed over tokens)
-        mixed = scorer(rollout, batch)
+        mixed = scorer(rollout, batch) if scorer is not None else None
         if not real:
             continue
         if kl is not None:
             cols["kl"] += kl.tolist()
-        cols["scores"] += mixed.total.tolist()
-        for name in names:
-            cols[name] += mixed.per_func[name].tolist()
+        if mixed is not None:
+            cols["scores"] += mixed.total.tolist()
+            for name in names:
+                cols[name] += mixed.per_func[name].tolist()
         cols["length"] += mask.sum(-1).tolist()
         cols["eos"] += rollout.reached_eos.float().tolist()
-    models.actor.train()
+        if detail:
+            prompts, completions, _ = completion_texts(models.tokenizer, rollout, batch["prompt_att_mask"])
+            texts["prompts"] += prompts
+            texts["completions"] += completions
+        if tick is not None:
+            tick(rollout.sequences.shape[0])
+    if was_training:
+        models.actor.train()
     gathered = E.gather_objects(cols)
     t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
 
@@ -55,17 +69,24 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
 
     s = t["scores"]
     std = s.std().item() if len(s) > 1 else 0.0
-    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s), "reward_se": std / math.sqrt(max(len(s), 1)),
-                           "reward_std": std, "kl": mean(t["kl"]), "answer_length": mean(t["length"]),
-                           "eos_rate": mean(t["eos"]), "eval_prompts": len(s)}
-    if names != [RM]:
+    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s),
+                           "reward_se": std / math.sqrt(len(s)) if len(s) else None,
+                           "reward_std": std if len(s) else None, "kl": mean(t["kl"]),
+                           "answer_length": mean(t["length"]), "eos_rate": mean(t["eos"]),
+                           "eval_prompts": len(t["eos"])}
+    if names and names != [RM]:
         out.update({f"reward/{n}": mean(t[n]) for n in names})
+    if detail:
+        every = E.gather_objects(texts)
+        out["per_prompt"] = {**{f"reward/{n}": t[n].tolist() for n in names}, "kl": t["kl"].tolist(),
+                             "length": t["length"].tolist(), "eos": t["eos"].tolist(),
+                             **{k: [x for part in every for x in part[k]] for k in texts}}
     return out
 
 
 def eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
-    """An evaluation's loggable scalars (``eval/...``): everything but the per-prompt scores."""
-    return {f"eval/{k}": v for k, v in result.items() if k != "scores"}
+    """An evaluation's loggable scalars (``eval/...``): everything but the per-prompt scores (and details)."""
+    return {f"eval/{k}": v for k, v in result.items() if k not in ("scores", "per_prompt")}
 
 
 def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -227,6 +227,20 @@ def test_judge_reward_asks_both_orders_and_averages():
         get_reward_func("judge")
 
 
+def test_judge_compares_two_models_answers_in_both_orders():
+    """``JudgeReward.compare``, which ``dschat eval --step 3`` uses for the judge's win rate of a policy over a
+    baseline: an empty answer is an answer (no reference is required), and the orders cancel position bias."""
+    seen = []
+
+    def judge(queries):
+        seen.extend(queries)
+        return ["A", "A", "B", "A"]  # pair 0: always A (bias) -> 0; pair 1: B as A, A as B -> -1
+
+    assert JudgeReward(judge).compare(["Q0", "Q1"], ["p0", ""], ["b0", "b1"]) == [0.0, -1.0]
+    assert seen[2][1]["content"] == judge_user_message("Q1", "", "b1", True)  # the policy's answer as A
+    assert seen[3][1]["content"] == judge_user_message("Q1", "b1", "", True)  # ... and as B
+
+
 def test_question_of_prompt_forms():
     assert question_of("\n\nHuman: 你好？\n\nAssistant:", "") == "你好？"
     assert question_of([{"role": "system", "content": "s"}, {"role": "user", "content": "Q1"}], "") == "Q1"
