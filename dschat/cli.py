@@ -21,26 +21,9 @@ from click.core import ParameterSource
 
 from dschat.config import build_config, canonical_names, flag_specs, load_config_file, refuse_inert
 from dschat.errors import UserError
+from dschat.options import click_option
 
 STAGE_MODULES = {1: "step1_sft.main", 2: "step2_reward.main", 3: "step3_rlhf.main"}
-
-
-def _click_option(spec: Any) -> click.Option:
-    dash = spec.name.replace("_", "-")
-    help_text = spec.help
-    if spec.type is bool:
-        decls = [f"--{dash}/--no-{dash}"]
-        if dash != spec.name:
-            decls.append(f"--{spec.name}/--no_{spec.name}")
-        return click.Option(decls + [spec.name], default=spec.default, help=help_text, hidden=spec.hidden,
-                            show_default=True)
-    decls = [f"--{dash}"] + ([f"--{spec.name}"] if dash != spec.name else [])
-    decls += [d for a in spec.aliases for d in dict.fromkeys((f"--{a.replace('_', '-')}", f"--{a}"))]
-    if spec.type is list:
-        return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
-    ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type
-    return click.Option(decls + [spec.name], type=ptype, default=spec.default, help=help_text,
-                        hidden=spec.hidden, show_default=spec.default is not None and spec.default != "")
 
 
 def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: str) -> click.Command:
@@ -53,7 +36,7 @@ def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: 
         click.Option(["--config", "config_file"], type=click.Path(dir_okay=False),
                      help="YAML or JSON file holding any of these flags (command line wins).")
     ]
-    params += [_click_option(s) for s in flag_specs(config_cls)]
+    params += [click_option(s) for s in flag_specs(config_cls)]
 
     def callback(config_file: str | None, **kwargs: Any) -> Any:
         ctx = click.get_current_context()

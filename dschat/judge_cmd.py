@@ -30,19 +30,28 @@ from dschat.judge import (
 from dschat.prompts import read_system_prompt
 
 
-def sampling_options(fn: Any) -> Any:
-    """The sampling flags ``eval --judge`` and ``judge`` share."""
+def sampling_options(fn: Any = None, *, policy: bool = False) -> Any:
+    """The sampling flags ``eval --judge`` and ``judge`` share; ``policy=True`` (``dschat eval``) says in their
+    help that they also drive the policy's sampling under ``--step 3``."""
+    if fn is None:
+        return lambda f: sampling_options(f, policy=policy)
+    also = {"max_new_tokens": " (--step 3: longest policy answer, the stage's --max-answer-seq-len)",
+            "temperature": " (--step 3: the policy's sampling temperature)",
+            "top_p": " (--step 3: the policy's)",
+            "seed": " (--step 3: also the data split, as the stage's --seed)"} if policy else {}
     options = [
         click.option("--votes", type=int, default=1, show_default=True,
                      help="Completions per row: 1 is greedy; k > 1 samples k and takes the majority of the "
                           "parseable verdicts (a tie or none is unparseable)."),
         click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=int, default=128,
-                     show_default=True, help="Longest judge completion in tokens."),
+                     show_default=True, help="Longest judge completion in tokens" + also.get("max_new_tokens", "")
+                     + "."),
         click.option("--temperature", type=float, default=1.0, show_default=True,
-                     help="Sampling temperature with --votes > 1."),
+                     help="Sampling temperature with --votes > 1" + also.get("temperature", "") + "."),
         click.option("--top-p", "--top_p", "top_p", type=float, default=1.0, show_default=True,
-                     help="Nucleus sampling threshold with --votes > 1."),
-        click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the sampling."),
+                     help="Nucleus sampling threshold with --votes > 1" + also.get("top_p", "") + "."),
+        click.option("--seed", type=int, default=1234, show_default=True,
+                     help="Seed of the sampling" + also.get("seed", "") + "."),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -16,7 +16,9 @@ Three layers:
 
 Who may import the demo (``DEMO_COMMANDS``): the demo package itself, and the commands whose documented default
 *is* the embedded demo: ``dschat.pipeline`` (``dschat pipeline`` with no arguments runs the demo, on demo files
-it picks per stage) and ``dschat.commands`` (``dschat data inspect`` without ``--data`` shows the demo corpus).
+it picks per stage), ``dschat.commands`` (``dschat data inspect`` without ``--data`` shows the demo corpus) and
+``dschat.eval_cmd`` (``dschat eval --step 1|3`` without ``--data`` evaluates on the demo corpus, the stages' own
+default data, so the demo's held-out figures can be reproduced).
 The stage mains live outside ``dschat/`` and pass ``dschat.demo.demo_data`` to the library as their default
 data, so the library itself never names the demo.
 """
@@ -35,11 +37,12 @@ CLI_LAYER = frozenset({
     "dschat.commands",  # dschat data inspect|balance
     "dschat.eval_cmd",  # dschat eval
     "dschat.export",  # dschat export
+    "dschat.options",  # click options from flag declarations (dschat train's, and dschat eval's shared flags)
     "dschat.judge_cmd",  # dschat judge (and the judge evaluation of dschat eval --judge)
     "dschat.pipeline",  # dschat pipeline
 })
 DEMO = "dschat.demo"
-DEMO_COMMANDS = frozenset({"dschat.pipeline", "dschat.commands"})
+DEMO_COMMANDS = frozenset({"dschat.pipeline", "dschat.commands", "dschat.eval_cmd"})
 
 Graph = dict[str, dict[str, str]]  # module -> {imported module: "file:line" of the first such import}
 

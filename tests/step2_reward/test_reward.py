@@ -203,8 +203,9 @@ def test_dschat_eval_step2(trained, tmp_path):
     assert result["accuracy"] >= 0.9 and result["margin"] > 0
     assert result["model"] == str(out / "model")
 
-    proc = run_cli("eval", "--step", "3", "--model", str(out), "--data", str(path))
-    assert proc.returncode == 2 and "not yet supported" in proc.stderr
+    proc = run_cli("eval", "--step", "2", "--model", str(out), "--data", str(path), "--baseline", str(out))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == \
+        "dschat: error: --baseline has no effect with --step 2"
 
 
 @pytest.mark.slow
