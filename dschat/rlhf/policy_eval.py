@@ -98,7 +98,7 @@ def pass_at_ks(samples: Sequence[Sequence[float]]) -> dict[str, dict[str, float]
 def model_metrics(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     """One model's figures from its ``evaluate(..., detail=True)`` results, one per sample index: the reward
     averaged per prompt over the samples, its mean and standard error over prompts, each source's mean, KL (when
-    measured), answer length, EOS rate, and pass@k of every pass/fail source."""
+    measured), answer length, EOS rate, and with more than one sample pass@k of every pass/fail source."""
     out: dict[str, Any] = {}
     if names:
         rewards = prompt_means([r["scores"] for r in runs])
@@ -113,7 +113,7 @@ def model_metrics(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any
     if out.get("kl") is not None:
         out["kl_se"] = mean_se(prompt_means([r["per_prompt"]["kl"] for r in runs]))
     passes = {}
-    for n in names:
+    for n in names if len(runs) > 1 else []:  # one sample: pass@1 is the source's mean above
         if n in NOT_PASS_FAIL:
             continue
         samples = [r["per_prompt"][f"reward/{n}"] for r in runs]

@@ -44,6 +44,7 @@ def test_model_metrics_by_hand():
     assert m["pass_at_k"]["format"]["pass@1"]["value"] == pytest.approx(0.5)
     assert m["pass_at_k"]["format"]["pass@2"]["value"] == pytest.approx(2 / 3)
     assert model_metrics(BASELINE, NAMES)["kl"] is None  # no reference: no KL
+    assert "pass_at_k" not in model_metrics(POLICY[:1], NAMES)  # one sample: pass@1 is just reward/format
 
 
 def test_paired_gain_se_and_win_rate_agree_with_dschat_stats():
@@ -127,7 +128,7 @@ def length(prompts, completions, **row_fields):
 def test_eval_step3_reproduces_a_grpo_stage_and_compares_a_model_with_itself(tmp_path):
     """A one-step GRPO run, then `dschat eval --step 3` of its actor against the tiny start on the same held-out
     prompts: the stage's rewards before and after, its paired gain and standard error and its KL come back. A model
-    against itself: every prompt a tie, no gain, no KL."""
+    against itself: every prompt a tie (by reward and by a judge), no gain, no KL."""
     from dschat.config import build_config
     from dschat.rlhf.config import RLHFConfig
 
@@ -161,12 +162,15 @@ def test_eval_step3_reproduces_a_grpo_stage_and_compares_a_model_with_itself(tmp
     assert "win rate (reward)" in proc.stdout and "policy - baseline" in proc.stdout
 
     proc = run_cli("eval", "--step", "3", "--model", "tiny", "--baseline", "tiny", "--num-samples", "2", *common,
-                   "--output", str(tmp_path / "same.json"))
+                   "--judge-model", "tiny", "--judge-max-new-tokens", "4", "--output", str(tmp_path / "same.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     same = read_json(tmp_path / "same.json")
     assert same["num_samples"] == 2 and same["paired"]["ties"] == 6 and same["paired"]["win_rate"] == 0.5
     assert same["paired"]["reward_gain"] == 0.0 and same["policy"]["kl"] == 0.0
     assert same["policy"] == {**same["baseline"], "kl": 0.0, "kl_se": 0.0}
+    # the untrained tiny judge writes no verdict in 4 tokens: every pair is a tie, win rate 1/2
+    assert same["paired"]["judge_ties"] == 6 and same["paired"]["judge_win_rate"] == 0.5
+    assert "win rate (judge)" in proc.stdout
     assert set(same["policy"]["pass_at_k"]) == {"format"}  # the length reward is graded, not pass/fail
     assert set(same["policy"]["pass_at_k"]["format"]) == {"pass@1", "pass@2"}
     json.dumps(same, allow_nan=False)  # standard errors of too few prompts are null, not NaN
