@@ -158,7 +158,7 @@ def eval_command(step: int, judge: bool, model: str, baseline: str, num_samples:
     else:
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
-        from dschat.rlhf.config import RLHFConfig
+        from dschat.rlhf.config import RLHFConfig  # deepspeed: imported when the command runs
 
         values = {**shared, "actor_model": model, "max_answer_seq_len": max_new_tokens, "temperature": temperature,
                   "top_p": top_p, "per_device_eval_batch_size": batch_size, "seed": seed, "progress": progress}
