@@ -55,7 +55,7 @@ def eval_flags() -> type:
                            "with the baseline's to each prompt in both orders (the judge's win rate); with "
                            "--reward-funcs judge it is also that reward source (each answer against the row's "
                            "reference answer)."})),
-        ("rl", RLArgs, piece(RLArgs, only=("top_k",))),
+        ("rl", RLArgs, piece(RLArgs, only=("top_k", "generation_backend"))),
     ])
 
 
@@ -68,7 +68,7 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
                            "max_eval_rows", "seed", "progress", "baseline", "num_samples", "reward_model",
                            "reward_funcs", "reward_weights", "judge_model", "judge_max_new_tokens",
                            "judge_system_prompt", "overlong_buffer", "overlong_factor", "max_new_tokens",
-                           "temperature", "top_p", "top_k"}),
+                           "temperature", "top_p", "top_k", "generation_backend"}),
     "--judge": frozenset({"judge", "data", "votes", "max_new_tokens", "temperature", "top_p", "seed",
                           "judge_system_prompt", "progress"}),
 }

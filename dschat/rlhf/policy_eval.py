@@ -25,7 +25,8 @@ from dschat import engine as E
 from dschat.data import DataCollatorRLHF, load_phase
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
-from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
+from dschat.generation import GenerationConfig
+from dschat.hybrid_engine import make_hybrid_engine
 from dschat.judge import JUDGE, JudgeReward, load_judge_reward, question_of
 from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_saved_model
 from dschat.reward_eval import check_reward_checkpoint
@@ -172,7 +173,8 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     ``baseline``), score them, and return the figures of the module docstring as one JSON-able dict.
 
     ``cfg`` is the ``RLHFConfig`` the evaluation runs under: its data flags choose the prompts as stage 3 does,
-    ``rl`` the sampling (``max_answer_seq_len``, ``temperature``, ``top_p``, ``top_k``), ``run.seed`` the split and
+    ``rl`` the sampling (``max_answer_seq_len``, ``temperature``, ``top_p``, ``top_k``, ``generation_backend``),
+    ``run.seed`` the split and
     the sampling seeds, ``optim.per_device_eval_batch_size`` the batches (generation is batched, so the same
     batch size gives the stage's exact samples), ``rewards`` the sources (``reward_sources``).
     """
@@ -231,7 +233,7 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     tick = bar.update if bar is not None else None
 
     def sample(models: Models) -> list[dict[str, Any]]:
-        hybrid = make_hybrid_engine(models.actor, tok, False)
+        hybrid = make_hybrid_engine(models.actor, tok, False, rl.generation_backend)
         return [evaluate(models, hybrid, loader, gen, rl.temperature, cfg.run.seed + j * SAMPLE_SEED_STRIDE,
                          scorer, detail=True, tick=tick) for j in range(num_samples)]
 
@@ -246,7 +248,8 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     out: dict[str, Any] = {
         "policy_model": policy_path, "baseline_model": baseline_path or None,
         "prompts": len(rows), "num_samples": num_samples, "max_new_tokens": rl.max_answer_seq_len,
-        "temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k, "seed": cfg.run.seed,
+        "temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
+        "generation_backend": rl.generation_backend, "seed": cfg.run.seed,
         "reward_funcs": names, "reward_weights": scorer.mixer.weights if scorer is not None else [],
         "policy": model_metrics(runs["policy"], names),
     }
