@@ -26,10 +26,12 @@ from dschat.errors import UserError
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,
         choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (), low: float | None = None,
-        above: float | None = None) -> Any:
+        above: float | None = None, high: float | None = None) -> Any:
     """A dataclass field carrying its CLI help text, optional choices, other spellings of the flag, and its range
-    (``low`` inclusive, ``above`` exclusive): a value out of range stops before any data or model loads."""
-    meta = {"help": help, "hidden": hidden, "choices": choices, "aliases": aliases, "low": low, "above": above}
+    (``low`` and ``high`` inclusive, ``above`` exclusive): a value out of range stops before any data or model
+    loads."""
+    meta = {"help": help, "hidden": hidden, "choices": choices, "aliases": aliases, "low": low, "above": above,
+            "high": high}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -148,8 +150,25 @@ class RewardArgs:
 
 
 @dataclass
-class SFTConfig:
-    """Stage 1's flags (stage 3's ``RLHFConfig`` lives in ``dschat.rlhf.config``)."""
+class KDArgs:
+    """Knowledge distillation in stage 1 (Hinton et al. 2015, arXiv:1503.02531; SPEC 7 ``kd``): the loss is
+    ``(1 - kd_coef) * CE + kd_coef * T^2 * KL(teacher_T || student_T)`` over the answer tokens."""
+
+    teacher_model: str = arg("", "Teacher for knowledge distillation: a causal LM with the student's tokenizer (a "
+                                 "stage output folder stands for its actor/ or model/), frozen, at the student's "
+                                 "ZeRO stage. Empty: plain SFT.")
+    kd_coef: float = arg(0.5, "Weight a of the distillation term: loss = (1 - a) * CE + a * T^2 * KL(teacher || "
+                              "student) over answer tokens (1: distillation only).", low=0, high=1)
+    kd_temperature: float = arg(1.0, "Temperature T of both softmaxes in the distillation term (the T^2 factor "
+                                     "keeps its gradients comparable across T).", above=0)
+
+    def inert_fields(self) -> dict[str, str]:
+        return {} if self.teacher_model else {n: "without {teacher_model}" for n in ("kd_coef", "kd_temperature")}
+
+
+@dataclass
+class OneModelConfig:
+    """The pieces stages 1 and 2 share (stage 3's ``RLHFConfig`` lives in ``dschat.rlhf.config``)."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataArgs = field(default_factory=DataArgs)
@@ -160,8 +179,15 @@ class SFTConfig:
 
 
 @dataclass
-class RewardConfig(SFTConfig):
-    """Stage 2's flags: stage 1's and the reward loss."""
+class SFTConfig(OneModelConfig):
+    """Stage 1's flags: the shared ones and knowledge distillation from a teacher."""
+
+    kd: KDArgs = field(default_factory=KDArgs)
+
+
+@dataclass
+class RewardConfig(OneModelConfig):
+    """Stage 2's flags: the shared ones and the reward loss."""
 
     reward: RewardArgs = field(default_factory=RewardArgs)
 
@@ -235,6 +261,7 @@ class FlagSpec:
     field: str = ""  # the piece's field name (name without the prefix)
     low: float | None = None  # inclusive lower bound
     above: float | None = None  # exclusive lower bound
+    high: float | None = None  # inclusive upper bound
 
 
 def flag_specs(config_cls: type) -> list[FlagSpec]:
@@ -269,7 +296,7 @@ def flag_specs(config_cls: type) -> list[FlagSpec]:
             aliases += tuple(meta.get("aliases", {}).get(fname, ()))
             specs.append(FlagSpec(name, group.name, tp, optional, default, help_text, f.metadata.get("hidden", False),
                                   f.metadata.get("choices"), aliases, fname, f.metadata.get("low"),
-                                  f.metadata.get("above")))
+                                  f.metadata.get("above"), f.metadata.get("high")))
     return specs
 
 
@@ -354,6 +381,8 @@ def _coerce(spec: FlagSpec, value: Any) -> Any:
         raise UserError(f"{flag} must be >= {spec.low:g}, got {value!r}")
     if spec.above is not None and out <= spec.above:
         raise UserError(f"{flag} must be > {spec.above:g}, got {value!r}")
+    if spec.high is not None and out > spec.high:
+        raise UserError(f"{flag} must be <= {spec.high:g}, got {value!r}")
     return out
 
 

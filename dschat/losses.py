@@ -31,6 +31,7 @@ __all__ = [
     "FixedKLController",
     "GAEOutput",
     "GRPOLossOutput",
+    "DistillSFTLossOutput",
     "KDLossOutput",
     "PairwiseLossOutput",
     "PairwiseMetrics",
@@ -44,6 +45,7 @@ __all__ = [
     "gae",
     "group_advantages",
     "grpo_policy_loss",
+    "distill_sft_loss",
     "kd_loss",
     "kl_penalized_rewards",
     "last_token_pairwise_loss",
@@ -127,6 +129,13 @@ class DPOLossOutput(NamedTuple):
 class KDLossOutput(NamedTuple):
     loss: torch.Tensor  # () scalar, T^2 * mean token KL(teacher_T || student_T)
     top1_agreement: torch.Tensor  # () fraction of answer tokens where student and teacher argmax agree
+
+
+class DistillSFTLossOutput(NamedTuple):
+    loss: torch.Tensor  # () (1 - coef) * ce + coef * kd
+    ce: torch.Tensor  # () detached: mean token cross-entropy of the labels
+    kd: torch.Tensor  # () detached: T^2 * mean token KL(teacher_T || student_T)
+    top1_agreement: torch.Tensor  # () detached
 
 
 # --------------------------------------------------------------------------------------------------
@@ -978,3 +987,34 @@ def kd_loss(
     loss = temperature**2 * masked_mean(kl, labels_mask)
     agree = (student_logits.detach().argmax(-1) == teacher_logits.argmax(-1)).float()
     return KDLossOutput(loss=loss, top1_agreement=masked_mean(agree, labels_mask))
+
+
+def distill_sft_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    coef: float,
+    temperature: float = 1.0,
+) -> DistillSFTLossOutput:
+    """Stage 1 with a teacher (SPEC 7 ``kd``): ``(1 - coef) * CE + coef * T^2 * KL(teacher_T || student_T)``,
+    both token means over the answer tokens (``labels != -100``), the CE exactly as a causal LM's own loss.
+
+    Both models must share the tokenizer; their logits may be padded to different widths (checkpoints round the
+    embedding up, e.g. Qwen2.5 0.5B vs 7B), so the KL is taken over the common first ``V`` columns, which hold
+    every real token.
+
+    Args:
+        student_logits: ``(B, T, V_s)`` at the input positions, unshifted (with grad).
+        teacher_logits: ``(B, T, V_t)`` likewise (no grad).
+        labels: ``(B, T)`` input ids with prompt and padding at -100; logits at ``t`` predict ``labels[t + 1]``.
+        coef: weight of the distillation term in [0, 1].
+        temperature: T > 0.
+    """
+    logits, teacher, target = student_logits[:, :-1], teacher_logits[:, :-1], labels[:, 1:]
+    mask = target != -100
+    ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    ce = ce / mask.sum().clamp(min=1)
+    width = min(logits.shape[-1], teacher.shape[-1])
+    kd = kd_loss(logits[..., :width], teacher[..., :width], mask, temperature)
+    loss = (1.0 - coef) * ce + coef * kd.loss
+    return DistillSFTLossOutput(loss=loss, ce=ce.detach(), kd=kd.loss.detach(), top1_agreement=kd.top1_agreement)

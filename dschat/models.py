@@ -210,6 +210,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return tok
 
 
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers give every token the same id and end with the same EOS (so ids, and next-token
+    distributions over them, mean the same thing for both models)."""
+    if a is b:
+        return True
+    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
+
+
 def ensure_distinct_pad(tok: Any) -> None:
     """Give ``tok`` a pad token other than EOS, in place, when it has none or pad == EOS (Qwen2 base, GPT-2,
     Llama-3 ship so).

@@ -19,34 +19,50 @@ from dschat import engine as E
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
+from dschat.losses import distill_sft_loss
 from dschat.models import create_causal_lm, load_tokenizer, resolve_saved_model
 from dschat.stage import eval_loader, lockstep_batches, to_device
 
 
 @torch.no_grad()
-def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | None = None) -> dict[str, float]:
+def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | None = None,
+                        distiller: Any | None = None) -> dict[str, float]:
     """Token-level loss and perplexity over the answer tokens (labels != -100), summed exactly across ranks.
-    ``tick(rows)`` is called after each batch (a progress bar)."""
+    ``tick(rows)`` is called after each batch (a progress bar). With a ``dschat.distill.Distiller`` (stage 1's
+    teacher) also ``kd`` (T^2 * token-mean KL of the model to the teacher) and ``top1_agreement``."""
     was_training = model.training
     model.eval()
-    nll, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64)  # nll, answer tokens, T^2 * KL, top-1 agreements (token sums)
     for batch, real in lockstep_batches(loader):
         batch = to_device(batch, E.device())
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        kd = None
+        if distiller is not None:  # the teacher's forward is a collective under ZeRO-3: on filler batches too
+            teacher_logits = distiller.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                               use_cache=False).logits
+            kd = distill_sft_loss(logits, teacher_logits, batch["labels"], 1.0, distiller.kd.kd_temperature)
         if not real:
             continue
         labels = batch["labels"][:, 1:]
+        n = (labels != -100).sum().double().cpu()
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
                                                  ignore_index=-100, reduction="sum")
-        nll += loss.double().cpu()
-        count += (labels != -100).sum().double().cpu()
+        sums[0] += loss.double().cpu()
+        sums[1] += n
+        if kd is not None:
+            sums[2] += kd.kd.double().cpu() * n
+            sums[3] += kd.top1_agreement.double().cpu() * n
         if tick is not None:
             tick(batch["input_ids"].shape[0])
-    nll, count = E.all_reduce_sum(nll), E.all_reduce_sum(count)
+    sums = E.all_reduce_sum(sums)
     if was_training:
         model.train()
-    mean = (nll / count.clamp(min=1)).item()
-    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+    count = sums[1].clamp(min=1)
+    mean = (sums[0] / count).item()
+    result = {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+    if distiller is not None:
+        result.update(kd=(sums[2] / count).item(), top1_agreement=(sums[3] / count).item())
+    return result
 
 
 def evaluate_saved_lm(cfg: Any, default_data: Callable[[], Sequence[str]] | None = None, progress: bool = True,

@@ -44,6 +44,9 @@ class OneModelStage:
     describe: str = ""  # extra words for the start-up line
     check_data: Callable[[PhaseData, Callable[[str], None]], None] | None = None  # (data, log): notes or errors
     default_data: Callable[[], Sequence[str]] | None = None  # --data when none is given (the mains: the demo's)
+    # (model path, tokenizer, dtype): load what micro_step and evaluate need beside the model (stage 1's teacher);
+    # called on every rank after the data and before the model, so a mismatch stops before the long part.
+    prepare: Callable[[str, Any, torch.dtype], None] | None = None
 
 
 @dataclass
@@ -75,12 +78,14 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
         data = load_phase(cfg.data, spec.phase, tokenizer, cfg.run.seed, log=quiet, default_data=spec.default_data)
     if spec.check_data is not None:
         spec.check_data(data, stage.log)
+    dtype = resolve_dtype(cfg.model.dtype)
+    if spec.prepare is not None:
+        spec.prepare(model_path, tokenizer, dtype)
     collator = spec.collator(tokenizer.pad_token_id)
     loader = train_loader(data.train, cfg.optim.per_device_train_batch_size, collator, cfg.run.seed)
     evals = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, collator)
     total_steps, epochs = plan_steps(len(loader), cfg.optim)
 
-    dtype = resolve_dtype(cfg.model.dtype)
     model = spec.make_model(model_path, dtype, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     lr = learning_rate(cfg.optim, cfg.model.model, n_params)

@@ -4,9 +4,12 @@
     deepspeed --num_gpus 2 step1_sft/main.py --model chinese-llama-2-7b --zero-stage 3 ...
     dschat train --step 1 ...        (the same flags)
 
-Reads top to bottom: what one micro-batch does and how the model is evaluated (the answer tokens' perplexity,
-``dschat.sft_eval``, which ``dschat eval --step 1`` shares); the shared one-model loop (``dschat.supervised``: set
-up, evaluate, train, evaluate) runs it; then save and report.
+    dschat train --step 1 --model tiny --teacher-model out/big/model --kd-coef 0.5     (distillation, SPEC 7)
+
+Reads top to bottom: what one micro-batch does (cross-entropy, mixed with the KL to a teacher under
+``--teacher-model``: ``dschat.distill``) and how the model is evaluated (the answer tokens' perplexity,
+``dschat.sft_eval``, which ``dschat eval --step 1`` shares; with a teacher also the distillation term); the
+shared one-model loop (``dschat.supervised``: set up, evaluate, train, evaluate) runs it; then save and report.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dschat.cli import run_command, stage_command
 from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
 from dschat.demo import demo_data
+from dschat.distill import Distiller
 from dschat.models import create_causal_lm
 from dschat.sft_eval import evaluate_perplexity
 from dschat.supervised import OneModelStage, train_one_model
@@ -31,15 +35,25 @@ from dschat.tracking import write_eval
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
+    distiller = Distiller(cfg.kd, cfg.engine, cfg.model.trust_remote_code) if cfg.kd.teacher_model else None
+
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
-        loss = engine(**batch, use_cache=False).loss
+        stats: dict[str, float] = {}
+        if distiller is None:
+            loss = engine(**batch, use_cache=False).loss
+        else:  # (1 - a) * CE + a * T^2 * KL(teacher || student) over the answer tokens
+            out = distiller.loss(engine, batch)
+            loss = out.loss
+            stats = {"ce": out.ce.item(), "kd": out.kd.item(), "top1_agreement": out.top1_agreement.item()}
         engine.backward(loss)
         engine.step()
-        return {"loss": loss.item(), "tokens": float(batch["attention_mask"].sum())}
+        return {"loss": loss.item(), **stats, "tokens": float(batch["attention_mask"].sum())}
 
     spec = OneModelStage(
-        name="step1_sft", phase=1, collator=DataCollatorSFT, default_data=demo_data, evaluate=evaluate_perplexity,
-        logged=("perplexity", "loss"), micro_step=micro_step,
+        name="step1_sft", phase=1, collator=DataCollatorSFT, default_data=demo_data, micro_step=micro_step,
+        evaluate=lambda engine, loader: evaluate_perplexity(engine, loader, distiller=distiller),
+        logged=("perplexity", "loss") + (("kd", "top1_agreement") if distiller else ()),
+        prepare=distiller.load if distiller else None, describe=distiller.describe() if distiller else "",
         make_model=lambda path, dtype, tok: create_causal_lm(path, dtype, cfg.model.dropout,
                                                              cfg.model.gradient_checkpointing,
                                                              cfg.model.trust_remote_code, lora=cfg.lora))
@@ -51,10 +65,16 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         "train_loss_first": t.first_loss, "train_loss_last": t.last_loss, "steps": t.steps,
         **t.data.counts, "sources": t.data.sources,
     }
+    if distiller is not None:
+        metrics.update({"teacher_model": distiller.path, "kd_coef": cfg.kd.kd_coef,
+                        "kd_temperature": cfg.kd.kd_temperature, "kd": t.after.get("kd"),
+                        "kd_before": t.before.get("kd"), "top1_agreement": t.after.get("top1_agreement"),
+                        "top1_agreement_before": t.before.get("top1_agreement")})
     if E.is_main():
         write_eval(t.stage.output_dir, metrics)
+        kd = f" | KL to teacher {t.before['kd']:.4f} -> {t.after['kd']:.4f}" if distiller and t.before and t.after else ""
         t.stage.log(f"perplexity {t.before.get('perplexity', float('nan')):.2f} -> "
-                    f"{t.after.get('perplexity', float('nan')):.2f}; saved {t.stage.output_dir / 'model'}")
+                    f"{t.after.get('perplexity', float('nan')):.2f}{kd}; saved {t.stage.output_dir / 'model'}")
     return metrics
 
 

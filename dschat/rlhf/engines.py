@@ -13,9 +13,8 @@ from dschat import engine as E
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
 from dschat.lora import lora_param_groups
-from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model, same_tokenizer
 from dschat.rewards import RM
-from dschat.rlhf.scoring import same_tokenizer
 
 TINY_PARAMS = 50_000_000  # below this, a model is a from-scratch toy and takes toy-sized learning rates
 DEFAULT_LR = {"actor": (1e-4, 1e-6), "critic": (5e-4, 5e-6)}  # (tiny, real)

@@ -10,6 +10,7 @@ import torch
 from dschat.data.collators import pad_sequences
 from dschat.judge import JUDGE, load_judge_reward
 from dschat.losses import end_indices
+from dschat.models import same_tokenizer
 from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rlhf.rollout import Rollout, completion_texts, positions_from_mask
 from dschat.usertext import reencode_for_reward
@@ -50,12 +51,6 @@ class Retokenizer:
             rows.append(ids)
         ids, mask = pad_sequences(rows, self.dst.pad_token_id, "right")
         return ids.to(rollout.sequences.device), mask.to(rollout.sequences.device)
-
-
-def same_tokenizer(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    return a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id
 
 
 def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:

@@ -24,6 +24,7 @@ from dschat.losses import (
     group_advantages,
     grpo_loss_units,
     grpo_policy_loss,
+    distill_sft_loss,
     kd_loss,
     kl_penalized_rewards,
     last_token_pairwise_loss,
@@ -758,6 +759,31 @@ def test_kd_loss_by_hand():
     close(out.top1_agreement, 1.0)  # argmax: 0 vs 0 (first of ties), 2 vs 2
     same = kd_loss(teacher, teacher, torch.ones(1, 3), temperature=1.0)
     close(same.loss, 0.0)
+
+
+def test_distill_sft_loss_by_hand():
+    ln2, ln3 = math.log(2.0), math.log(3.0)
+    labels = torch.tensor([[-100, 0, 1]])  # logits at t predict labels[t + 1]: positions 0 and 1 count
+    student = t([[[0.0, 0.0], [ln3, 0.0], [50.0, -50.0]]])  # position 2 predicts nothing: never counted
+    # The teacher's logits are one column wider (a checkpoint padded to another width); the extra column, and
+    # its huge value, must be cut off, not enter the softmax.
+    teacher = t([[[0.0, 0.0, 9.0], [0.0, ln3, 9.0], [-50.0, 50.0, 9.0]]])
+    out = distill_sft_loss(student, teacher, labels, coef=0.25, temperature=1.0)
+    # CE: position 0 p = [1/2, 1/2] -> -log 1/2 = ln 2; position 1 p = [3/4, 1/4], target 1 -> ln 4; mean 1.5 ln 2
+    # KL(teacher || student): position 0 equal -> 0; position 1 teacher [1/4, 3/4] vs student [3/4, 1/4]:
+    #   1/4 ln(1/3) + 3/4 ln 3 = ln 3 / 2; mean over the two tokens ln 3 / 4 (T = 1: no scaling)
+    close(out.ce, 1.5 * ln2)
+    close(out.kd, ln3 / 4)
+    close(out.loss, 0.75 * 1.5 * ln2 + 0.25 * ln3 / 4)
+    close(out.top1_agreement, 0.5)  # position 0: 0 vs 0 (first of ties); position 1: 0 vs 1
+    # coef 0 is plain SFT (the model's own token-mean CE), coef 1 pure distillation
+    close(distill_sft_loss(student, teacher, labels, coef=0.0).loss, 1.5 * ln2)
+    close(distill_sft_loss(student, teacher, labels, coef=1.0).loss, ln3 / 4)
+    # T = 2 on position 1: teacher [0, ln3/2] -> [1/(1+sqrt3), sqrt3/(1+sqrt3)], student the mirror; T^2 * KL / 2
+    r3 = math.sqrt(3.0)
+    q, q2 = 1 / (1 + r3), r3 / (1 + r3)
+    kl = q * math.log(q / q2) + q2 * math.log(q2 / q)
+    close(distill_sft_loss(student, teacher, labels, coef=1.0, temperature=2.0).loss, 4 * kl / 2)
 
 
 # ------------------------------------------------------------------------------------------------------------
