@@ -59,6 +59,7 @@ COMMANDS = {
     "data": "dschat.commands:data",
     "eval": "dschat.eval_cmd:eval_command",
     "export": "dschat.export:export",
+    "generate": "dschat.generate_cmd:generate_command",
     "judge": "dschat.judge_cmd:judge_command",
     "pipeline": "dschat.pipeline:pipeline",
 }

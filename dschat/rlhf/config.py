@@ -81,6 +81,16 @@ class RLEngineArgs:
         return {} if self.enable_ema else {"ema_decay": "without {enable_ema}"}
 
 
+def reward_settings_inert(names: list[str]) -> dict[str, str]:
+    """Settings of the reward sources 'judge' and 'overlong' (``RewardArgs``) when ``names`` has no such source."""
+    out: dict[str, str] = {}
+    if JUDGE not in names:
+        out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})
+    if "overlong" not in names:
+        out.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
+    return out
+
+
 def _model(who: str, help_model: str) -> Any:
     return piece(ModelArgs, who, only=PER_MODEL, defaults={"model": "", "dropout": 0.0},
                  aliases={"model": ("model",)} if who == "actor" else None,
@@ -134,11 +144,7 @@ class RLHFConfig:
         out = {s.name: f"with --algo {self.rl.algo}" for s in flag_specs(type(self))
                if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
         out.update(self.algorithm.inert_flags(self))
-        names = self.reward_func_names()
-        if JUDGE not in names:
-            out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})
-        if "overlong" not in names:
-            out.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
+        out.update(reward_settings_inert(self.reward_func_names()))
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
         return out

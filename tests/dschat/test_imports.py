@@ -37,6 +37,7 @@ CLI_LAYER = frozenset({
     "dschat.commands",  # dschat data inspect|balance
     "dschat.eval_cmd",  # dschat eval
     "dschat.export",  # dschat export
+    "dschat.generate_cmd",  # dschat generate
     "dschat.options",  # click options from flag declarations (dschat train's, and dschat eval's shared flags)
     "dschat.judge_cmd",  # dschat judge (and the judge evaluation of dschat eval --judge)
     "dschat.pipeline",  # dschat pipeline

@@ -1,0 +1,30 @@
+"""``dschat generate``: N samples per prompt from a saved model, scored, kept as SFT rows (best-of-n, rejection
+sampling, distillation from a teacher) or pairwise rows (DPO); see ``dschat.generate``.
+
+    dschat generate --model out/step1 --data prompts.jsonl --num-samples 8 --reward-model out/step2 \\
+        --keep best --output best.jsonl
+    dschat generate --model out/step1 --data prompts.jsonl --reward-funcs my_rules.py:score --keep pairs \\
+        --output pairs.jsonl
+
+Registered on the ``dschat`` group by ``dschat.cli``; the flags are ``GenerateConfig``'s, declared once with the
+stages' (sampling and reward sources from stage 3's config, model and data from the shared pieces).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dschat.generate import GenerateConfig, generate
+from dschat.options import stage_command
+
+
+def _run(cfg: GenerateConfig) -> dict[str, Any]:
+    return generate(cfg)
+
+
+generate_command = stage_command(
+    "generate", GenerateConfig, _run,
+    help="Sample N answers per prompt from a saved model, score them (--reward-model, --reward-funcs, "
+         "--judge-model) and write JSON Lines: every sample (--keep all), the best as SFT rows (--keep best: "
+         "rejection sampling, best-of-n, distillation from a teacher) or best/worst as pairwise rows (--keep pairs: "
+         "DPO). Resumable: run it again to continue (SPEC 7).")
