@@ -55,7 +55,13 @@ class GenerateArgs:
                            "from a teacher), 'pairs' (best as chosen, worst as rejected: a pairwise row for DPO or a "
                            "reward model; prompts whose samples all score the same are skipped and counted).",
                     choices=KEEP)
+    min_score: float | None = arg(None, "With --keep best: write a prompt's best sample only when it scores at "
+                                        "least this (rejection sampling's threshold); other prompts are skipped "
+                                        "and counted (below_min_score).")
     max_prompts: int = arg(0, "Use only the first N prompts (0: all).", low=0)
+
+    def inert_fields(self) -> dict[str, str]:
+        return {} if self.keep == "best" else {"min_score": f"with --keep {self.keep}"}
 
 
 @dataclass
@@ -140,10 +146,11 @@ def best_and_worst(samples: Sequence[Sample]) -> tuple[int, int] | None:
 
 
 def prompt_rows(prompt: Any, answer: str | None, samples: Sequence[Sample], keep: str,
-                counts: Counter[str], prompt_index: int) -> list[dict[str, Any]]:
+                counts: Counter[str], prompt_index: int, min_score: float | None = None) -> list[dict[str, Any]]:
     """The output rows of one prompt under ``--keep`` (SPEC 2 formats), counting what was skipped and why:
-    ``skipped_empty`` (best: no sample has text; pairs: fewer than two have), ``ties`` (pairs: best and worst
-    score the same), ``identical`` (pairs: best and worst are the same text)."""
+    ``skipped_empty`` (best: no sample has text; pairs: fewer than two have), ``below_min_score`` (best: the best
+    scores under ``min_score``), ``ties`` (pairs: best and worst score the same), ``identical`` (pairs: best and
+    worst are the same text)."""
     extra = {"answer": answer} if answer is not None else {}
     if keep == "all":
         rows = []
@@ -161,6 +168,9 @@ def prompt_rows(prompt: Any, answer: str | None, samples: Sequence[Sample], keep
             counts["skipped_empty"] += 1
             return []
         best = samples[picked[0]]
+        if min_score is not None and best.score < min_score:  # type: ignore[operator]
+            counts["below_min_score"] += 1
+            return []
         return [{"prompt": prompt, "response": best.text, "score": best.score} | extra]
     if picked is None or sum(bool(s.text.strip()) for s in samples) < 2:
         counts["skipped_empty"] += 1
@@ -441,7 +451,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
                 lines: list[dict[str, Any]] = []
                 for i, row in enumerate(part):
                     samples = [Sample(texts[k], *_scored(rewards, k), truncated[k]) for k in range(i * N, (i + 1) * N)]
-                    lines += prompt_rows(prompts[first + i], row.get("answer"), samples, g.keep, counts, first + i)
+                    lines += prompt_rows(prompts[first + i], row.get("answer"), samples, g.keep, counts, first + i,
+                                         g.min_score)
                     _tally(counts, samples)
                 counts["rows"] += len(lines)
                 out.append(lines, first + len(part), dict(counts))
@@ -457,7 +468,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         out.finish(summary)
     finally:
         out.close()
-    skipped = ", ".join(f"{k} {summary[k]}" for k in ("ties", "identical", "skipped_empty") if summary.get(k))
+    skipped = ", ".join(f"{k} {summary[k]}" for k in ("ties", "identical", "skipped_empty",
+                                                                        "below_min_score") if summary.get(k))
     scores = (f" | mean score {summary['mean_score']:.4g}, best {summary['mean_best_score']:.4g}, worst "
               f"{summary['mean_worst_score']:.4g}") if "mean_score" in summary else ""
     log(f"wrote {summary['rows']} rows ({g.keep}) for {len(rows)} prompts to {out.path}"

@@ -60,6 +60,10 @@ def test_prompt_rows_best_pairs_and_all_by_hand():
     assert prompt_rows("Q", None, [s("a", 1.0), s(" ", 0.0)], "pairs", counts, 0) == []
     assert prompt_rows("Q", None, [s("", 1.0)], "best", counts, 0) == []
     assert counts["skipped_empty"] == 2
+    # --min-score: a best below the threshold is skipped and counted
+    assert prompt_rows("Q", None, samples, "best", counts, 0, min_score=2.5) == []
+    assert prompt_rows("Q", None, samples, "best", counts, 0, min_score=2.0)[0]["response"] == "great"
+    assert counts["below_min_score"] == 1
     # unscored (--keep all without a reward source): no score field
     assert "score" not in prompt_rows("Q", None, [Sample("a", None, {}, False)], "all", counts, 0)[0]
 
@@ -76,7 +80,8 @@ def test_flags_refused_or_checked_before_anything_loads():
             check_generate_config(cfg(**values))
     for flag, value, extra in (("judge_max_new_tokens", 64, {}), ("overlong_factor", 2.0, {}),
                                ("reward_weights", ["2"], {}),
-                               ("reward_model", "rm", {"reward_funcs": ["format"]})):
+                               ("reward_model", "rm", {"reward_funcs": ["format"]}),
+                               ("min_score", 0.5, {"keep": "pairs", "reward_funcs": ["format"]})):
         with pytest.raises(UserError, match="has no effect"):
             refuse_inert(cfg(**{flag: value}, **extra), {flag, *extra})
     c = cfg(reward_model="rm", judge_model="j")
@@ -187,12 +192,12 @@ def test_keep_pairs_trains_dpo_unchanged(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_then_run_again_gives_the_uninterrupted_file(tmp_path):
-    common = dict(max_prompts=40, num_samples=2, per_device_generation_batch_size=2, max_answer_seq_len=8)
+    common = dict(max_prompts=24, num_samples=2, per_device_generation_batch_size=2, max_answer_seq_len=8)
     whole = tmp_path / "whole.jsonl"
     generate(gen_cfg(tmp_path, whole, **common))
     out = tmp_path / "killed.jsonl"
     cfg = gen_cfg(tmp_path, out, **common)
-    argv = ["generate", "--model", "tiny", "--data", cfg.data.data[0], "--output", str(out), "--max-prompts", "40",
+    argv = ["generate", "--model", "tiny", "--data", cfg.data.data[0], "--output", str(out), "--max-prompts", "24",
             "--num-samples", "2", "--per-device-generation-batch-size", "2", "--max-answer-seq-len", "8",
             "--reward-funcs", cfg.rewards.reward_funcs[0], "--no-progress"]
     proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", *argv], cwd=ROOT,
