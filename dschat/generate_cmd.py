@@ -6,25 +6,33 @@ sampling, distillation from a teacher) or pairwise rows (DPO); see ``dschat.gene
     dschat generate --model out/step1 --data prompts.jsonl --reward-funcs my_rules.py:score --keep pairs \\
         --output pairs.jsonl
 
-Registered on the ``dschat`` group by ``dschat.cli``; the flags are ``GenerateConfig``'s, declared once with the
-stages' (sampling and reward sources from stage 3's config, model and data from the shared pieces).
+Registered on the ``dschat`` group by ``dschat.cli``. The flags are ``GenerateConfig``'s, declared once with the
+stages' (sampling and reward sources from stage 3's config, model and data from the shared pieces); that config
+imports stage 3 (torch, deepspeed), so it is imported when the command runs, not when ``dschat --help`` lists it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dschat.generate import GenerateConfig, generate
 from dschat.options import stage_command
 
+HELP = ("Sample N answers per prompt from a saved model, score them (--reward-model, --reward-funcs, --judge-model) "
+        "and write JSON Lines: every sample (--keep all), the best as SFT rows (--keep best: rejection sampling, "
+        "best-of-n, distillation from a teacher) or best/worst as pairwise rows (--keep pairs: DPO). Resumable: "
+        "run it again to continue (SPEC 7).")
 
-def _run(cfg: GenerateConfig) -> dict[str, Any]:
+
+def _config() -> type:
+    from dschat.generate import GenerateConfig
+
+    return GenerateConfig
+
+
+def _run(cfg: Any) -> dict[str, Any]:
+    from dschat.generate import generate
+
     return generate(cfg)
 
 
-generate_command = stage_command(
-    "generate", GenerateConfig, _run,
-    help="Sample N answers per prompt from a saved model, score them (--reward-model, --reward-funcs, "
-         "--judge-model) and write JSON Lines: every sample (--keep all), the best as SFT rows (--keep best: "
-         "rejection sampling, best-of-n, distillation from a teacher) or best/worst as pairwise rows (--keep pairs: "
-         "DPO). Resumable: run it again to continue (SPEC 7).")
+generate_command = stage_command("generate", _config, _run, help=HELP)

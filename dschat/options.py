@@ -58,19 +58,24 @@ class DeclaredFlagsCommand(click.Command):
         return super().get_params(ctx)
 
 
-def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: str) -> click.Command:
-    """A click command whose options are the flags of ``config_cls``; ``--config FILE`` fills any of them.
+def stage_command(name: str, config: type | Callable[[], type], run: Callable[[Any], Any],
+                  help: str) -> click.Command:
+    """A click command whose options are the flags of a config class; ``--config FILE`` fills any of them.
 
     Precedence: dataclass default < config file < command line. A flag given (in either) that has no effect in
     the chosen mode stops the run before anything loads (``refuse_inert``); defaults never count as given.
+    ``config`` is the class, or a function returning it: then its module is imported when the command parses its
+    arguments or shows its own help (``DeclaredFlagsCommand``), not when ``dschat --help`` lists it
+    (``dschat generate``'s config imports stage 3, so torch and deepspeed).
     """
+    config_of: Callable[[], type] = (lambda: config) if isinstance(config, type) else config
     params: list[click.Parameter] = [
         click.Option(["--config", "config_file"], type=click.Path(dir_okay=False),
                      help="YAML or JSON file holding any of these flags (command line wins).")
     ]
-    params += [click_option(s) for s in flag_specs(config_cls)]
 
     def callback(config_file: str | None, **kwargs: Any) -> Any:
+        config_cls = config_of()
         ctx = click.get_current_context()
         names = canonical_names(config_cls)
         sections = {f.name for f in dataclasses.fields(config_cls)}
@@ -87,8 +92,12 @@ def stage_command(name: str, config_cls: type, run: Callable[[Any], Any], help: 
         teardown_distributed()
         return result
 
-    return click.Command(name, params=params, callback=callback, help=help,
-                         context_settings={"max_content_width": 110})
+    settings = {"max_content_width": 110}
+    if not isinstance(config, type):
+        return DeclaredFlagsCommand(name, params=params, callback=callback, help=help, context_settings=settings,
+                                    flags=config)
+    params += [click_option(s) for s in flag_specs(config)]
+    return click.Command(name, params=params, callback=callback, help=help, context_settings=settings)
 
 
 def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:
