@@ -41,6 +41,10 @@ from dschat.rlhf.rollout import completion_texts, generate_rollout, repeat_promp
 from dschat.rlhf.scoring import JUDGE, RM
 
 KEEP = ("all", "best", "pairs")
+# What a partial output was sampled from beside the flags, as a changed-settings error names it.
+INPUTS = {"model_files": "the model's weights", "data_files": "the --data files", "prompts": "the number of prompts",
+          "reward_func_files": "the reward function files", "reward_model_files": "the reward model's weights",
+          "judge_model_files": "the judge's weights"}
 PROGRESS_VERSION = 1
 
 
@@ -278,7 +282,7 @@ class ResumableOutput:
     def _differs(self, state: dict[str, Any]) -> str:
         old = state.get("settings", {})
         keys = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
-        return ", ".join(k if k.endswith("_files") else f"--{k.replace('_', '-')}" for k in keys)
+        return ", ".join(INPUTS.get(k, f"--{k.replace('_', '-')}") for k in keys)
 
     def _start(self, force: bool) -> dict[str, Any]:
         state = None if force else self._read_state()
@@ -306,6 +310,8 @@ class ResumableOutput:
         if size > state["bytes"]:
             self.log(f"{self.partial}: dropping {size - state['bytes']} bytes written after the last complete batch")
             os.ftruncate(self.fd, state["bytes"])
+        if state.get("finished"):  # stopped between recording the end and the rename
+            os.replace(self.partial, self.path)
         return state
 
     @property
@@ -468,8 +474,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         out.finish(summary)
     finally:
         out.close()
-    skipped = ", ".join(f"{k} {summary[k]}" for k in ("ties", "identical", "skipped_empty",
-                                                                        "below_min_score") if summary.get(k))
+    skipped = ", ".join(f"{k} {summary[k]}" for k in ("ties", "identical", "skipped_empty", "below_min_score")
+                        if summary.get(k))
     scores = (f" | mean score {summary['mean_score']:.4g}, best {summary['mean_best_score']:.4g}, worst "
               f"{summary['mean_worst_score']:.4g}") if "mean_score" in summary else ""
     log(f"wrote {summary['rows']} rows ({g.keep}) for {len(rows)} prompts to {out.path}"

@@ -139,6 +139,9 @@ def test_resume_after_an_interruption_writes_the_uninterrupted_file(tmp_path, mo
     assert out.read_bytes() == whole.read_bytes() and not partial.exists()
     calls.clear()
     assert generate(gen_cfg(tmp_path, out))["rows"] == 21 and not calls  # complete: nothing to do
+    out.rename(partial)  # as if killed after recording the end, before the rename
+    assert generate(gen_cfg(tmp_path, out))["rows"] == 21 and not calls
+    assert out.read_bytes() == whole.read_bytes() and not partial.exists()
     with pytest.raises(UserError, match="not the finished output"):
         generate(gen_cfg(tmp_path, tmp_path / "length.py"))  # a file this command did not write
     generate(gen_cfg(tmp_path, out, force=True, max_prompts=2))
