@@ -72,7 +72,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
                         "top1_agreement_before": t.before.get("top1_agreement")})
     if E.is_main():
         write_eval(t.stage.output_dir, metrics)
-        kd = f" | KL to teacher {t.before['kd']:.4f} -> {t.after['kd']:.4f}" if distiller and t.before and t.after else ""
+        kd = f" | KL to teacher {t.before['kd']:.4f} -> {t.after['kd']:.4f}" if distiller and t.after else ""
         t.stage.log(f"perplexity {t.before.get('perplexity', float('nan')):.2f} -> "
                     f"{t.after.get('perplexity', float('nan')):.2f}{kd}; saved {t.stage.output_dir / 'model'}")
     return metrics
