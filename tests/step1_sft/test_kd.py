@@ -111,3 +111,16 @@ def test_kd_flags_need_a_teacher_and_a_coefficient_in_range():
     from dschat.config import RewardConfig, flag_specs
 
     assert "teacher_model" not in {s.name for s in flag_specs(RewardConfig)}  # stage 2 has no teacher
+
+
+@pytest.mark.slow
+def test_the_teacher_under_zero3_gives_the_same_numbers(tmp_path):
+    """The teacher's frozen engine at the student's ZeRO stage: under ZeRO-3 (parameters sharded and gathered per
+    forward) the distillation term before training equals the ZeRO-0 one, and training runs."""
+    teacher = make_teacher(tmp_path / "teacher")
+    common = {"model": "tiny", "max_steps": 2, "teacher_model": str(teacher), "max_eval_rows": 16,
+              "per_device_train_batch_size": 4, "progress": False}
+    z0 = run(build_config(SFTConfig, {**common, "output_dir": str(tmp_path / "z0")}))
+    z3 = run(build_config(SFTConfig, {**common, "output_dir": str(tmp_path / "z3"), "zero_stage": 3}))
+    assert z3["kd_before"] == pytest.approx(z0["kd_before"], rel=1e-4)
+    assert z3["kd"] == pytest.approx(z0["kd"], rel=1e-2)
