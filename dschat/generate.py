@@ -82,7 +82,7 @@ class GenerateConfig:
                 "of the source is used; a source's own test split is left out.",
         "max_prompt_seq_len": "Longest prompt in tokens (longer ones keep their end, counted)."})
     rl: RLArgs = piece(RLArgs, only=("per_device_generation_batch_size", "max_answer_seq_len", "temperature",
-                                     "top_p", "top_k"), help={
+                                     "top_p", "top_k", "generation_backend"), help={
         "per_device_generation_batch_size": "Prompts per generation batch, each sampled --num-samples times."})
     rewards: RewardArgs = piece(RewardArgs, help={
         "reward_funcs": "Reward source (repeatable): rm (the reward model's end score), format, accuracy, judge_match, "
@@ -380,7 +380,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     from dschat import engine as E
     from dschat.data import DataCollatorRLHF
     from dschat.devices import resolve_dtype
-    from dschat.hybrid_engine import GenerationConfig, make_hybrid_engine
+    from dschat.generation import GenerationConfig
+    from dschat.hybrid_engine import make_hybrid_engine
     from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_saved_model
     from dschat.rlhf.engines import Models
     from dschat.rlhf.scoring import build_scorer
@@ -421,7 +422,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         dtype = resolve_dtype(cfg.model.dtype)
         policy = E.build_eval_engine(create_causal_lm(model_path, dtype, trust_remote_code=cfg.model.trust_remote_code),
                                      zero_stage=0, offload=False, dtype=dtype)
-        hybrid = make_hybrid_engine(policy, tok, requested=False)
+        hybrid = make_hybrid_engine(policy, tok, requested=False, backend=rl.generation_backend)
         scorer = None
         if names:
             reward, rm_tok = None, None
