@@ -56,9 +56,13 @@ def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str
         click.echo(f"\n=== sample {i} ===")
         if phase == 1:
             ids, labels = row["input_ids"], row["labels"]
-            n_prompt = sum(1 for x in labels if x == -100)
-            click.echo(f"prompt ({n_prompt} tokens, masked): {tok.decode(ids[:n_prompt])!r}")
-            click.echo(f"answer ({len(ids) - n_prompt} tokens, trained): {tok.decode(ids[n_prompt:])!r}")
+            spans = label_spans(labels)
+            n_trained = sum(1 for trained, _, _ in spans if trained)
+            click.echo(f"{n_trained} trained span(s) (the answer, and every assistant turn of a messages row), "
+                       f"{len(spans) - n_trained} masked")
+            for trained, start, end in spans:
+                click.echo(f"  {'trained' if trained else 'masked '} ({end - start} tokens): "
+                           f"{tok.decode(ids[start:end])!r}")
             click.echo(f"input_ids: {ids}")
             click.echo(f"labels:    {labels}")
             click.echo(f"attention_mask (padded batch): {batch['attention_mask'][i].tolist()}")
@@ -76,6 +80,18 @@ def data_inspect(data_: tuple[str, ...], phase: int, model: str, data_split: str
             click.echo(f"  prompt_att_mask (left-padded): {batch['prompt_att_mask'][i].tolist()}")
             if row.get("answer") is not None:
                 click.echo(f"  answer: {row['answer']!r}")
+
+
+def label_spans(labels: list[int]) -> list[tuple[bool, int, int]]:
+    """Runs of trained (label != -100) and masked positions: ``(trained, start, end)``, in order."""
+    spans: list[tuple[bool, int, int]] = []
+    for i, label in enumerate(labels):
+        trained = label != -100
+        if spans and spans[-1][0] == trained:
+            spans[-1] = (trained, spans[-1][1], i + 1)
+        else:
+            spans.append((trained, i, i + 1))
+    return spans
 
 
 @data.command("balance")

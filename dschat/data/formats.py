@@ -35,6 +35,8 @@ class Example:
     answer: str | None = None  # ground truth for rule rewards / the judge's winner
     extra: dict[str, Any] = field(default_factory=dict)
     where: str = ""
+    # A ``messages`` row: the assistant turns inside ``prompt`` are training targets too (stage 1), not context.
+    train_all_turns: bool = False
 
 
 class Dropped(Exception):
@@ -175,7 +177,8 @@ def parse_row(row: dict[str, Any], fmt: str) -> Example:
             msgs = _messages(row, row[k["messages"]], "messages")
             if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
                 raise UserError(f"{where}: field 'messages' must hold a prompt and end with an assistant message")
-            return Example(msgs[:-1], chosen=_text(row, msgs[-1]["content"], "messages"), extra=extra, where=where)
+            return Example(msgs[:-1], chosen=_text(row, msgs[-1]["content"], "messages"), extra=extra, where=where,
+                           train_all_turns=True)
         if "instruction" in k:  # alpaca / Zhihu-KOL: a bare question, rendered with the chat template
             question = _text(row, row[k["instruction"]], k["instruction"])
             inp = row.get(k["input"]) if "input" in k else None
@@ -268,15 +271,69 @@ def render_prompt(prompt: str | Messages, tokenizer: Any) -> str:
         return prompt
     if has_chat_template(tokenizer):
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return _plain_conversation(prompt) + ASSISTANT
+
+
+def _plain_conversation(messages: Messages) -> str:
+    """Messages in the Human/Assistant template, without the closing ``Assistant:`` of a generation prompt."""
     parts = []
-    for m in prompt:
+    for m in messages:
         if m["role"] == "system":
             parts.append(m["content"].strip() + "\n")
         elif m["role"] == "assistant":
             parts.append(f"{ASSISTANT} {m['content']}")
         else:
             parts.append(f"{HUMAN} {m['content']}")
-    return "".join(parts) + ASSISTANT
+    return "".join(parts)
+
+
+def _render_conversation(messages: Messages, tokenizer: Any) -> str:
+    """Messages as the template writes a finished conversation (no generation prompt after it)."""
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return _plain_conversation(messages)
+
+
+@dataclass
+class Span:
+    """A piece of rendered text: ``trained`` for an assistant turn (its labels are its ids), else context
+    (masked with -100). ``parts`` are the messages' own strings in it, tokenized as text (issue 11)."""
+
+    text: str
+    trained: bool
+    parts: list[str | None]
+
+
+def render_turns(prompt: str | Messages, tokenizer: Any) -> list[Span] | None:
+    """``render_prompt(prompt)`` cut into spans, each assistant turn inside the prompt its own trained span (the
+    multi-turn SFT of a ``messages`` row; the final answer follows, from ``render_answer``).
+
+    An assistant turn's span is what the template writes for it after its generation prompt, end-of-turn marker
+    included (``a1<|im_end|>\n`` in ChatML, `` a1`` in Human/Assistant); everything else (system and user turns,
+    the template's headers) is context. None when there is no assistant turn to train in ``prompt`` (a leading
+    assistant message is context: no template gives it a generation prompt), or when the template does not
+    write a conversation as the prefix of its continuation (one that rewrites earlier turns, e.g. dropping
+    their reasoning); then only the final answer is trained.
+    """
+    if isinstance(prompt, str):
+        return None
+    spans: list[Span] = []
+    done, start = "", 0  # text already in spans; first message not yet in them
+    for i, m in enumerate(prompt):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        head = render_prompt(prompt[:i], tokenizer)
+        full = _render_conversation(prompt[: i + 1], tokenizer)
+        if not (head.startswith(done) and full.startswith(head)):
+            return None
+        spans.append(Span(head[len(done):], False, [x["content"] for x in prompt[start:i]]))
+        spans.append(Span(full[len(head):], True, [m["content"]]))
+        done, start = full, i + 1
+    head = render_prompt(prompt, tokenizer)
+    if not spans or not head.startswith(done):
+        return None
+    spans.append(Span(head[len(done):], False, [x["content"] for x in prompt[start:]]))
+    return spans
 
 
 def render_answer(prompt: str | Messages, answer: str, tokenizer: Any) -> str:

@@ -28,12 +28,14 @@ from dschat.config import DataArgs
 from dschat.data.formats import (
     FORMATS,
     Example,
+    Span,
     check_malformed,
     describe_keys,
     detect_format,
     parse_rows,
     render_answer,
     render_prompt,
+    render_turns,
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.diskfull import DiskFull, free_bytes, human_bytes
@@ -42,8 +44,8 @@ from dschat.prompts import read_system_prompt
 from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import atomic_write_text, cache_root, stable_hash
 
-CACHE_VERSION = 3  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys;
-# 3: pairwise rows keep prompt_len)
+CACHE_VERSION = 4  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys;
+# 3: pairwise rows keep prompt_len; 4: stage 1 trains every assistant turn of a messages row)
 
 
 @dataclass
@@ -148,7 +150,7 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
                       [prompt_parts(ex.prompt) for ex in usable])
     bos = tokenizer.bos_token_id
     if bos is not None:  # chat templates that write BOS themselves (Llama-2/3) must not get a second one
-        prompts = [ids[1:] if len(ids) > 1 and ids[0] == ids[1] == bos else ids for ids in prompts]
+        prompts = [_single_bos(ids, bos) for ids in prompts]
     rows: list[dict[str, Any]] = []
     if phase == 3:
         keep = data.max_prompt_seq_len
@@ -166,7 +168,9 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
     rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer) for ex in usable], False,
                         [[ex.rejected] for ex in usable])
                 if phase == 2 else [[]] * len(usable))
-    for ex, p, c, x in zip(usable, prompts, chosen, rejected, strict=True):
+    turns = _earlier_turns(usable, tokenizer, counts) if phase == 1 else {}
+    for i, (ex, p, c, x) in enumerate(zip(usable, prompts, chosen, rejected, strict=True)):
+        p, p_labels = turns.get(i, (p, [-100] * len(p)))
         c_ids, x_ids = p + c + [eos], p + x + [eos]
         if not c:
             counts["dropped_empty"] += 1
@@ -175,7 +179,7 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             counts["dropped_too_long"] += 1
             continue
         if phase == 1:
-            labels = ([-100] * len(p) + c + [eos]) if data.mask_prompt else list(c_ids)
+            labels = (p_labels + c + [eos]) if data.mask_prompt else list(c_ids)
             rows.append({"input_ids": c_ids, "labels": labels})
         else:
             if c_ids == x_ids:  # different strings can still tokenize alike
@@ -187,6 +191,48 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
                 row["margin"] = float(margin)
             rows.append(row)
     return rows
+
+
+def _single_bos(ids: list[int], bos: int) -> list[int]:
+    return ids[1:] if len(ids) > 1 and ids[0] == ids[1] == bos else ids
+
+
+def _earlier_turns(examples: list[Example], tokenizer: Any,
+                   counts: Counter[str]) -> dict[int, tuple[list[int], list[int]]]:
+    """Multi-turn SFT: for each ``messages`` example whose prompt holds assistant turns, the prompt's ids and
+    their labels, every earlier assistant turn trained and the rest masked (-100); keyed by the example's index.
+
+    Each span is tokenized on its own (the first with the BOS, as a prompt is), as the final answer already is
+    apart from its prompt, so a one-turn row keeps exactly the ids it always had. A conversation its template
+    does not render as the prefix of its continuation trains its final answer only, counted under
+    ``multi_turn_last_only``.
+    """
+    found: dict[int, list[Span]] = {}
+    for i, ex in enumerate(examples):
+        if not ex.train_all_turns or not any(m["role"] == "assistant" for m in ex.prompt):  # type: ignore[union-attr]
+            continue
+        spans = render_turns(ex.prompt, tokenizer)
+        if spans is None:
+            counts["multi_turn_last_only"] += 1
+        else:
+            found[i] = spans
+    if not found:
+        return {}
+    order = list(found)
+    firsts = _encode(tokenizer, [found[i][0].text for i in order], True, [found[i][0].parts for i in order])
+    rest = [(i, s) for i in order for s in found[i][1:]]
+    rest_ids = iter(_encode(tokenizer, [s.text for _, s in rest], False, [s.parts for _, s in rest]))
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    bos = tokenizer.bos_token_id
+    for i, first in zip(order, firsts, strict=True):
+        ids = _single_bos(first, bos) if bos is not None else first
+        labels = [-100] * len(ids)
+        for span in found[i][1:]:
+            span_ids = next(rest_ids)
+            ids = ids + span_ids
+            labels = labels + (list(span_ids) if span.trained else [-100] * len(span_ids))
+        out[i] = (ids, labels)
+    return out
 
 
 def _jsonable(extra: dict[str, Any]) -> dict[str, Any]:

@@ -162,6 +162,81 @@ def test_phase1_masks_prompt_and_ends_with_eos(tmp_path, tok):
     assert all(x != -100 for x in unmasked.train[0]["labels"])
 
 
+# ------------------------------------------------------------------------------------------ multi-turn SFT
+CONVERSATION = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Refund?"}, {"role": "assistant", "content": "Yes"},
+                {"role": "user", "content": "When?"}, {"role": "assistant", "content": "Today"}]
+M = -100
+
+
+def _phase1_row(tmp_path, tok, row, **kw):
+    path = write_jsonl(tmp_path / "conv.jsonl", [row])
+    pd = load_phase(args([path], eval_fraction=0.0, **kw), 1, tok, seed=0, use_cache=False, log=lambda _: None)
+    return pd.train[0], pd.counts
+
+
+def test_a_messages_row_trains_every_assistant_turn_without_a_chat_template(tmp_path, tok):
+    row, counts = _phase1_row(tmp_path, tok, {"messages": CONVERSATION})
+    human = [277, 278, 3218]  # '▁\n\n' 'Human' ':'
+    assistant = [272, 3218]  # 'Assistant' ':' (after a piece ending in '\n\n')
+    hi = [1, *human, 1017, 265, *assistant]  # '<s>' ... '▁Hi' '\n\n' ...: the first span gets the BOS
+    hello = [3205, 952]  # '▁' '▁Hello': " Hello", the answer's own leading space after the dummy prefix
+    refund = [*human, 740, 561, 480, *assistant]  # '▁Re' 'fund' '?\n\n'
+    yes = [3205, 692, 961]  # '▁' '▁Y' 'es'
+    when = [*human, 699, 3139, 480, *assistant]  # '▁W' 'hen' '?\n\n'
+    today = [3205, 588, 3214, 2023]  # '▁' '▁T' 'o' 'day'
+    eos = 2
+    assert row["input_ids"] == hi + hello + refund + yes + when + today + [eos]
+    assert row["labels"] == ([M] * 8 + hello + [M] * 8 + yes + [M] * 8 + today + [eos])
+    assert "multi_turn_last_only" not in counts
+    # the same conversation as a prompt (messages) + response row: the earlier turns are context, as before
+    row, _ = _phase1_row(tmp_path, tok, {"prompt": CONVERSATION[:-1], "response": "Today"})
+    assert row["labels"] == [M] * (len(row["input_ids"]) - 5) + today + [eos]
+    assert "Hello" in tok.decode(row["input_ids"][:-5]) and "Yes" in tok.decode(row["input_ids"][:-5])
+
+
+def test_a_messages_row_trains_every_assistant_turn_through_the_chat_template(tmp_path):
+    from tests.families import build_family
+
+    qwen = load_tokenizer(str(build_family("qwen2", tmp_path / "fam")))  # ChatML; no BOS; eos <|endoftext|>
+
+    def ids(text):
+        return qwen(text, add_special_tokens=False)["input_ids"]
+
+    row, _ = _phase1_row(tmp_path, qwen, {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION]})
+    # Each assistant turn is trained through its end-of-turn marker; system, user and headers are masked.
+    spans = [("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+              False), ("Hello<|im_end|>\n", True),
+             ("<|im_start|>user\nRefund?<|im_end|>\n<|im_start|>assistant\n", False), ("Yes<|im_end|>\n", True),
+             ("<|im_start|>user\nWhen?<|im_end|>\n<|im_start|>assistant\n", False), ("Today<|im_end|>\n", True)]
+    want_ids = [t for text, _ in spans for t in ids(text)] + [qwen.eos_token_id]
+    want_labels = [t if trained else M for text, trained in spans for t in ids(text)] + [qwen.eos_token_id]
+    assert row["input_ids"] == want_ids
+    assert row["labels"] == want_labels
+    assert sum(t != M for t in want_labels) == sum(len(ids(text)) for text, trained in spans if trained) + 1
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_the_last_answer_only(tmp_path):
+    tiny = load_tokenizer(resolve_model("tiny"))
+    # Like Qwen3's template (which drops the reasoning of earlier turns): earlier answers are written shortened,
+    # so a conversation is not the prefix of its continuation and the earlier turns cannot be cut out.
+    tiny.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[A] ...\n"
+                          "{% else %}[{{ m['role'] }}] {{ m['content'] }}\n{% endif %}{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant] {% endif %}")
+    row, counts = _phase1_row(tmp_path, tiny, {"messages": CONVERSATION})
+    assert counts["multi_turn_last_only"] == 1
+    trained = [t for t in row["labels"] if t != M]
+    n = len(trained)
+    assert trained == row["input_ids"][-n:] and tiny.decode(trained, skip_special_tokens=True).strip() == "Today"
+
+
+def test_one_turn_rows_tokenize_as_before_multi_turn_sft(tmp_path, tok):
+    """The ids of a one-turn messages row, written down before multi-turn SFT existed."""
+    row, _ = _phase1_row(tmp_path, tok, {"messages": CONVERSATION[:2]})
+    assert row["input_ids"] == [1, 277, 278, 3218, 1017, 265, 272, 3218, 3205, 952, 2]
+    assert row["labels"] == [M] * 8 + [3205, 952, 2]
+
+
 def test_phase2_drops_identical_and_too_long(tmp_path, tok):
     rows = pairwise_rows(10)
     rows[0]["rejected"] = rows[0]["chosen"]  # identical pair

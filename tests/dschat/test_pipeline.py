@@ -20,7 +20,8 @@ def test_data_inspect_shows_decoded_samples_and_masks():
     assert "format pairwise" in proc.stdout
     assert "chosen (" in proc.stdout and "rejected (" in proc.stdout and "attention_mask" in proc.stdout
     proc = run_cli("data", "inspect", "--phase", "1", "-n", "1")
-    assert "prompt (" in proc.stdout and "masked" in proc.stdout and "labels:" in proc.stdout
+    assert "masked  (" in proc.stdout and "trained (" in proc.stdout and "labels:" in proc.stdout
+    assert "1 trained span(s)" in proc.stdout  # the demo's pairwise rows: one answer each
 
 
 @pytest.mark.slow
