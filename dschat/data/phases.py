@@ -1,7 +1,8 @@
 """Train-phase datasets (SPEC section 2): split, tokenize, count drops, cache.
 
 ``load_phase(data, phase, tokenizer, seed)`` gives the tokenized train and eval rows of one train_phase:
-1. SFT: ``input_ids``, ``labels`` (prompt masked with -100 by default) of prompt + chosen + EOS.
+1. SFT: ``input_ids``, ``labels`` (prompt masked with -100 by default) of prompt + chosen + EOS; every assistant
+   turn of a ``messages`` row is trained, not only the last (multi-turn SFT).
 2. Reward: ``chosen_input_ids`` and ``rejected_input_ids`` (prompt + answer + EOS) and ``prompt_len``; identical
    pairs dropped.
 3. RL: ``prompt_input_ids`` (left-truncated to ``max_prompt_seq_len``), plus the row's ground truth.
