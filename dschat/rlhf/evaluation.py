@@ -76,6 +76,7 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
                            "eval_prompts": len(t["eos"])}
     if names and names != [RM]:
         out.update({f"reward/{n}": mean(t[n]) for n in names})
+        out["source_scores"] = {n: t[n].tolist() for n in names}  # per prompt, for each source's paired s.e.
     if detail:
         every = E.gather_objects(texts)
         out["per_prompt"] = {**{f"reward/{n}": t[n].tolist() for n in names}, "kl": t["kl"].tolist(),
@@ -84,9 +85,12 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
     return out
 
 
+PER_PROMPT = ("scores", "source_scores", "per_prompt")
+
+
 def eval_scalars(result: dict[str, Any]) -> dict[str, Any]:
     """An evaluation's loggable scalars (``eval/...``): everything but the per-prompt scores (and details)."""
-    return {f"eval/{k}": v for k, v in result.items() if k not in ("scores", "per_prompt")}
+    return {f"eval/{k}": v for k, v in result.items() if k not in PER_PROMPT}
 
 
 def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -107,10 +111,15 @@ def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 def source_summary(before: dict[str, Any], after: dict[str, Any], scorer: Scorer) -> dict[str, Any]:
-    """The reward sources and weights, and each source's mean before/after (when there is more than ``rm``)."""
+    """The reward sources and weights, and each source's mean before/after (when there is more than ``rm``), with
+    the paired standard error of its gain (the same prompts and sampling seeds before and after): a demo whose
+    total rises only through ``format`` shows it here."""
     out: dict[str, Any] = {"reward_funcs": scorer.mixer.names, "reward_weights": scorer.mixer.weights}
     for name in scorer.mixer.names:
         if f"reward/{name}" in after:
             out[f"reward_{name}_before"] = before.get(f"reward/{name}")
             out[f"reward_{name}_after"] = after[f"reward/{name}"]
+            b, a = (before.get("source_scores") or {}).get(name), (after.get("source_scores") or {}).get(name)
+            if b is not None and a is not None and len(a) == len(b) > 1:
+                out[f"reward_{name}_gain_se"] = paired_se(b, a)
     return out
