@@ -906,6 +906,50 @@ def generate_prompts(
     return rows
 
 
+def _sum_problem(rng: random.Random, english: bool, max_addend: int) -> tuple[str, int, str]:
+    """One counting question: ``a`` units of one product plus ``b`` of another, both in 1..max_addend."""
+    a, b = rng.randint(1, max_addend), rng.randint(1, max_addend)
+    first, second = rng.sample(_EN_PRODUCTS if english else _ZH_PRODUCTS, 2)
+    text = (f"I ordered {a} {first} and {b} {second}. How many items is that?" if english
+            else f"我买了{a}件{first}和{b}件{second}，一共几件？")
+    return text, a + b, f"{a}+{b}={a + b}"
+
+
+def generate_sum_prompts(
+    n: int = DEFAULT_PROMPT_ROWS, seed: int = 0, english_ratio: float = 0.2, with_solution: bool = False,
+    max_addend: int = 5, exclude: frozenset[str] = frozenset(),
+) -> list[dict[str, str]]:
+    """Prompt-only rows ``{"prompt", "answer"}`` of small sums ("I ordered 3 X and 5 Y. How many items is
+    that?", both addends in ``1..max_addend``), in the format of ``generate_prompts``; ``with_solution`` adds
+    ``" <think>3+5=8</think><answer>8</answer>"``. Prompts are unique and none is in ``exclude`` (the prompts of
+    another file, so that held-out rows are never trained on).
+
+    The GRPO demo's task. The word problems of ``generate_prompts`` are beyond a 1.4M-parameter model (it learns
+    their format, never their arithmetic). With addends up to 5 (25 sums), one SFT epoch leaves it copying the
+    addends and adding them when greedy (~80% right) but rarely when sampling, and GRPO's reward for the right
+    answer makes the samples right more often: ``accuracy`` itself moves, not only ``format``. (Up to 9, 81
+    sums: two SFT epochs give ~40% right samples, and 100 GRPO steps added little to that.)
+    """
+    rng = _stream("sums", seed)
+    rows: list[dict[str, str]] = []
+    seen = set(exclude)
+    for english in _balanced_flags(rng, n, round(n * english_ratio)):
+        for _ in range(100):
+            text, ans, work = _sum_problem(rng, english, max_addend)
+            hint = _EN_FORMAT_HINT if english else _ZH_FORMAT_HINT
+            prompt = format_prompt(text + (" " if english else "") + hint)
+            if prompt not in seen:
+                break
+        else:
+            raise RuntimeError("could not draw a new unique prompt; the templates are too few for n")
+        seen.add(prompt)
+        row = {"prompt": prompt, "answer": str(ans)}
+        if with_solution:
+            row["solution"] = " " + format_completion(work, str(ans))
+        rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------------------
 # RM-R1 judge rows
 # --------------------------------------------------------------------------------------------------------------

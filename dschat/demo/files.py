@@ -18,6 +18,11 @@ from dschat.utils import cache_root, write_jsonl
 # seen with their worked answers during SFT.
 PROMPTS_SFT_SEED = 1
 
+# The GRPO demo's task (``dschat pipeline grpo``): one-digit sums, prompts of seed 0 for GRPO and worked solutions
+# of other prompts (seed 1, none of seed 0's) for the SFT warm-up. SUMS_MAX_ADDEND bounds both addends.
+SUMS_SEED, SUMS_SFT_SEED = 0, 1
+SUMS_MAX_ADDEND = 5
+
 
 # Seeds of the judge demo's other files: the cold-start SFT rows and the held-out evaluation rows are drawn from
 # streams of their own, so neither shares a row with the GRPO judge rows (seed 0) or with each other.
@@ -46,6 +51,18 @@ def demo_files() -> dict[str, Path]:
     if not files["prompts_sft"].exists():
         rows = corpus.generate_prompts(seed=PROMPTS_SFT_SEED, with_solution=True)
         write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["prompts_sft"])
+    files["sums"] = folder / f"sums-seed{SUMS_SEED}-max{SUMS_MAX_ADDEND}.jsonl"
+    sums = None
+    if not files["sums"].exists():
+        sums = corpus.generate_sum_prompts(seed=SUMS_SEED, max_addend=SUMS_MAX_ADDEND)
+        write_jsonl(sums, files["sums"])
+    files["sums_sft"] = folder / f"sums_sft-seed{SUMS_SFT_SEED}-max{SUMS_MAX_ADDEND}.jsonl"
+    if not files["sums_sft"].exists():
+        sums = sums or corpus.generate_sum_prompts(seed=SUMS_SEED, max_addend=SUMS_MAX_ADDEND)
+        held = frozenset(r["prompt"] for r in sums)
+        rows = corpus.generate_sum_prompts(seed=SUMS_SFT_SEED, with_solution=True, max_addend=SUMS_MAX_ADDEND,
+                                           exclude=held)
+        write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["sums_sft"])
     files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}-{JUDGE_SFT_VERDICTS}.jsonl"
     if not files["judge_sft"].exists():
         write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts=JUDGE_SFT_VERDICTS),

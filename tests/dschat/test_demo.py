@@ -20,6 +20,7 @@ from dschat.demo.corpus import (
     generate_judge_pairs,
     generate_pairwise,
     generate_prompts,
+    generate_sum_prompts,
     prompt_question,
     write_demo_files,
 )
@@ -170,6 +171,27 @@ def test_prompt_rows_have_consistent_answers() -> None:
         assert re.fullmatch(rf" <think>[^<]+</think><answer>{r['answer']}</answer>", r["solution"]), r
     assert all(used), used  # every problem kind in both languages
     assert "solution" not in generate_prompts(5)[0]
+
+
+def test_sum_rows_have_consistent_answers_and_held_out_prompts() -> None:
+    rows = generate_sum_prompts(1000, seed=0, with_solution=True)
+    assert rows == generate_sum_prompts(1000, seed=0, with_solution=True)
+    assert len({r["prompt"] for r in rows}) == 1000 and sum(not is_chinese(r["prompt"]) for r in rows) == 200
+    pattern = re.compile(r"(?:I ordered (\d) .+ and (\d) .+\. How many items|我买了(\d)件.+和(\d)件.+，一共几件)")
+    pairs = set()
+    for r in rows:
+        a, b = [int(x) for x in pattern.search(r["prompt"]).groups() if x is not None]
+        assert 1 <= a <= 5 and 1 <= b <= 5 and r["answer"] == str(a + b)
+        pairs.add((a, b))
+        assert r["solution"] == f" <think>{a}+{b}={a + b}</think><answer>{a + b}</answer>"
+        assert all(tag in r["prompt"] for tag in SPECIAL_TAGS)
+    assert len(pairs) == 25  # every sum of the default range occurs
+    wide = generate_sum_prompts(200, seed=3, max_addend=9)
+    assert {r["answer"] for r in wide} == {str(n) for n in range(2, 19)}
+    # the SFT file of the GRPO demo excludes the GRPO prompts, so its held-out prompts were never trained on
+    other = generate_sum_prompts(1000, seed=1, exclude=frozenset(r["prompt"] for r in rows))
+    assert not {r["prompt"] for r in other} & {r["prompt"] for r in rows}
+    assert "solution" not in other[0]
 
 
 def test_judge_rows() -> None:

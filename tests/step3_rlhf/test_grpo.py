@@ -161,15 +161,29 @@ def test_pipeline_grpo_stages_and_folders(tmp_path):
     names = parse_stages("sft,grpo")
     sft = stage_argv("sft", tmp_path, "tiny", "", [], True, {}, names)
     assert sft[sft.index("--output-dir") + 1] == str(tmp_path / GRPO_SFT_FOLDER)
-    assert sft[sft.index("--data") + 1] == str(demo_files()["prompts_sft"])
+    assert sft[sft.index("--data") + 1] == str(demo_files()["sums_sft"])
     grpo = stage_argv("grpo", tmp_path, "tiny", "", [], True, {"grpo": ["--loss-type", "dapo"]}, names)
     assert grpo[grpo.index("--actor-model") + 1] == str(tmp_path / GRPO_SFT_FOLDER / "model")
-    assert grpo[grpo.index("--data") + 1] == str(demo_files()["prompts"])
+    assert grpo[grpo.index("--data") + 1] == str(demo_files()["sums"])
     assert grpo[grpo.index("--output-dir") + 1] == str(tmp_path / "step3_grpo")
     assert grpo[-2:] == ["--loss-type", "dapo"] and "--reward-model" not in grpo
-    # the demo SFT file holds prompt/response rows with worked completions in the expected format
-    first = read_jsonl(demo_files()["prompts_sft"])[0]
-    assert set(first) == {"prompt", "response"} and first["response"].strip().startswith("<think>")
+    # the demo SFT file holds prompt/response rows with worked completions of other prompts than GRPO's
+    sft_rows = read_jsonl(demo_files()["sums_sft"])
+    assert set(sft_rows[0]) == {"prompt", "response"} and sft_rows[0]["response"].strip().startswith("<think>")
+    assert not {r["prompt"] for r in sft_rows} & {r["prompt"] for r in read_jsonl(demo_files()["sums"])}
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"])
+def test_the_grpo_demo_recipe_runs_under_every_sampling_algorithm(tmp_path, algo):
+    """The critic-free estimators are compared on the GRPO demo with `--rl-args "--algo X"`: the recipe holds no
+    flag that one of them refuses."""
+    from dschat.cli import stage_command
+
+    argv = stage_argv("grpo", tmp_path, "tiny", "", [], True, {"grpo": ["--algo", algo]}, parse_stages("grpo"))
+    assert argv[:2] == ["--step", "3"]
+    cmd = stage_command("step3", RLHFConfig, run=lambda cfg: cfg, help="")
+    cfg = cmd.main(args=argv[2:], standalone_mode=False)  # parses, builds and refuses inert flags; runs nothing
+    assert cfg.rl.algo == algo and cfg.optim.max_steps == 100
 
 
 @pytest.mark.slow
@@ -187,7 +201,7 @@ def test_pipeline_grpo_runs_sft_then_grpo_and_reports(tmp_path):
     assert report["grpo_reward_funcs"] == ["format", "accuracy"]
     args = read_json(out / "step3_grpo" / "args.json")
     assert args["algo"] == "grpo" and args["actor_model"] == str(out / GRPO_SFT_FOLDER / "model")
-    assert read_json(out / GRPO_SFT_FOLDER / "args.json")["data"] == [str(demo_files()["prompts_sft"])]
+    assert read_json(out / GRPO_SFT_FOLDER / "args.json")["data"] == [str(demo_files()["sums_sft"])]
 
 
 def test_optimizer_step_normalizers_follow_the_accumulation_windows():
@@ -222,3 +236,24 @@ def test_dapo_adds_the_soft_overlong_penalty_unless_told_not_to():
         0.5, 2.0]
     c = cfg(loss_type="dapo", reward_funcs=["format"], reward_weights=["0.5"])
     assert reward_weights(c.rewards, reward_func_names(c)) == [0.5, 1.0]
+
+
+def test_each_reward_source_gets_the_paired_standard_error_of_its_gain():
+    from types import SimpleNamespace
+
+    from dschat.rlhf.evaluation import eval_scalars, source_summary
+
+    scorer = SimpleNamespace(mixer=SimpleNamespace(names=["format", "accuracy"], weights=[1.0, 1.0]))
+    before = {"reward/format": 0.5, "reward/accuracy": 0.0,
+              "source_scores": {"format": [0, 1, 1, 0], "accuracy": [0, 0, 0, 0]}}
+    after = {"reward/format": 1.0, "reward/accuracy": 0.75,
+             "source_scores": {"format": [1, 1, 1, 1], "accuracy": [1, 1, 1, 0]}}
+    out = source_summary(before, after, scorer)
+    # format: differences 1 0 0 1, mean 0.5, sample variance (4 * 0.25) / 3 = 1/3, s.e. sqrt(1/3 / 4) = 0.2887
+    assert out["reward_format_gain_se"] == pytest.approx((1 / 3 / 4) ** 0.5)
+    # accuracy: differences 1 1 1 0, mean 0.75, sample variance (3 * 0.0625 + 0.5625) / 3 = 0.25, s.e. 0.5 / 2
+    assert out["reward_accuracy_gain_se"] == pytest.approx(0.25)
+    assert out["reward_accuracy_before"] == 0.0 and out["reward_accuracy_after"] == 0.75
+    assert "eval/source_scores" not in eval_scalars(after) and eval_scalars(after)["eval/reward/format"] == 1.0
+    del before["source_scores"]  # a state saved before the per-source scores existed (resume): no s.e., no error
+    assert "reward_format_gain_se" not in source_summary(before, after, scorer)

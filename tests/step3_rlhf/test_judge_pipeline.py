@@ -83,6 +83,15 @@ def test_pipeline_judge_report_gives_accuracy_gain_with_paired_se(tmp_path):
     assert report["judge_accuracy_gain"] == pytest.approx(0.5)
     assert report["judge_accuracy_gain_se"] == pytest.approx((1 / 3 / 4) ** 0.5)
     assert report["judge_match_reward_after"] == 0.5 and report["judge_n_after"] == 4
+    # with format weighed in (the demo's recipe), judge_match is its own source, not the total
+    write_json(tmp_path / FOLDERS["judge"] / "eval.json", {
+        "reward_before": 0.7, "reward_after": 1.9, "reward_funcs": ["judge_match", "format"],
+        "reward_judge_match_before": -0.2, "reward_judge_match_after": 0.9, "reward_judge_match_gain_se": 0.1,
+        "reward_format_before": 0.9, "reward_format_after": 1.0})
+    report = summarize(tmp_path, {"sft": 1.0}, ["sft", "judge"])
+    assert report["judge_match_reward_before"] == -0.2 and report["judge_match_reward_after"] == 0.9
+    assert report["judge_match_reward_gain_se"] == 0.1 and report["judge_reward_format_after"] == 1.0
+    assert report["judge_reward_after"] == 1.9
 
 
 def test_rm_r1_launch_script_dry_run(tmp_path):
@@ -162,4 +171,6 @@ def test_pipeline_judge_runs_sft_grpo_and_both_evals(tmp_path):
     assert report["judge_accuracy_gain"] is not None
     assert read_json(out / "judge_eval_after.json")["model"] == str(out / FOLDERS["judge"] / "actor")
     args = read_json(out / FOLDERS["judge"] / "args.json")
-    assert args["reward_funcs"] == ["judge_match"] and args["actor_model"] == str(out / JUDGE_SFT_FOLDER / "model")
+    assert args["reward_funcs"] == ["judge_match", "format"] and args["reward_weights"] == ["1", "1"]
+    assert args["actor_model"] == str(out / JUDGE_SFT_FOLDER / "model")
+    assert "well-formed" in proc.stdout
