@@ -45,7 +45,7 @@ DEMO_ARGS = {
             "--per-device-train-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
             "--kl-ctl", "0.05"],
 }
-# `dschat pipeline grpo` on the demo: a task the 1.4M-parameter model can learn, small sums ("I ordered 3 X and 5 Y.
+# `dschat pipeline grpo` on the demo: a task the 1.4M-parameter model can learn, small sums ("I ordered X x3 and Y x5.
 # How many items is that?", addends 1..5). One epoch of SFT on worked solutions of other such prompts (demo file
 # sums_sft) leaves the <think>..</think><answer>..</answer> format in ~40% of samples and the right sum in ~16%
 # (greedy: ~80%), then GRPO with the format and accuracy rules on the demo's sums prompts raises both on 200

@@ -36,7 +36,8 @@ dschat=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli import
 if [[ "$TINY" == 1 ]]; then
   # The demo files and settings of `dschat pipeline judge` (its measured run is in the README): the model is 1.4M
   # parameters trained from scratch, so it takes a toy learning rate, short prompts and completions, 4 completions
-  # per prompt instead of 7, and 100 steps.
+  # per prompt instead of 7, and 100 steps; and the format rule weighed in beside judge_match, without which GRPO
+  # wore the tiny judge's reasoning down (well-formed completions 0.98 -> 0.20).
   mapfile -t demo < <("$PYTHON" -c 'from dschat.demo import demo_files as d; f = d()
 print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   MODEL=tiny DATA="${demo[0]}" SFT_DATA="${demo[1]}" EVAL_DATA="${demo[2]}" NUM_GPUS=0
@@ -44,7 +45,8 @@ print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   sft_flags=(--data-split 1,0,0 --num-train-epochs 1 --per-device-train-batch-size 8 --max-seq-len 320)
   scale=(--max-steps 100 --num-generations 4 --per-device-generation-batch-size 16 --per-device-train-batch-size 16
          --max-prompt-seq-len 256 --max-answer-seq-len 40 --actor-learning-rate 1e-4 --eval-fraction 0.1
-         --max-eval-rows 100 --per-device-eval-batch-size 50)
+         --max-eval-rows 100 --per-device-eval-batch-size 50 --reward-funcs format --reward-weights 1
+         --reward-weights 1)
   eval_flags=(--max-new-tokens 40 --batch-size 50)
 else
   if [[ -z "${MODEL:-}" || -z "${DATA:-}" ]]; then

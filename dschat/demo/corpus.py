@@ -910,7 +910,8 @@ def _sum_problem(rng: random.Random, english: bool, max_addend: int) -> tuple[st
     """One counting question: ``a`` units of one product plus ``b`` of another, both in 1..max_addend."""
     a, b = rng.randint(1, max_addend), rng.randint(1, max_addend)
     first, second = rng.sample(_EN_PRODUCTS if english else _ZH_PRODUCTS, 2)
-    text = (f"I ordered {a} {first} and {b} {second}. How many items is that?" if english
+    # English in a cart's notation ("keyboard x2"), which needs no plural of the product names.
+    text = (f"I ordered {first} x{a} and {second} x{b}. How many items is that?" if english
             else f"我买了{a}件{first}和{b}件{second}，一共几件？")
     return text, a + b, f"{a}+{b}={a + b}"
 
@@ -919,7 +920,7 @@ def generate_sum_prompts(
     n: int = DEFAULT_PROMPT_ROWS, seed: int = 0, english_ratio: float = 0.2, with_solution: bool = False,
     max_addend: int = 5, exclude: frozenset[str] = frozenset(),
 ) -> list[dict[str, str]]:
-    """Prompt-only rows ``{"prompt", "answer"}`` of small sums ("I ordered 3 X and 5 Y. How many items is
+    """Prompt-only rows ``{"prompt", "answer"}`` of small sums ("I ordered X x3 and Y x5. How many items is
     that?", both addends in ``1..max_addend``), in the format of ``generate_prompts``; ``with_solution`` adds
     ``" <think>3+5=8</think><answer>8</answer>"``. Prompts are unique and none is in ``exclude`` (the prompts of
     another file, so that held-out rows are never trained on).

@@ -37,9 +37,10 @@ def demo_files() -> dict[str, Path]:
     takes from ``dschat.prompts``), so an edited corpus never reuses stale files: ``pairwise``, ``prompts``
     (GRPO prompt-only rows), ``judge`` (RM-R1 rows) and ``prompts_sft`` (prompt/response rows of other
     arithmetic prompts with worked ``<think>..</think><answer>..</answer>`` completions, to warm up the format
-    with SFT before GRPO); ``judge_sft`` (other judge rows with a cold-start ``response`` ending in the true
-    winner's verdict, RM-R1's distillation step) and ``judge_eval`` (held-out judge rows for
-    ``dschat eval --judge``). Deterministic, so any rank may write them."""
+    with SFT before GRPO); ``sums`` and ``sums_sft`` (the GRPO demo's task: prompt-only rows of small sums, and
+    worked solutions of other sums for its SFT warm-up); ``judge_sft`` (other judge rows with a cold-start
+    ``response`` ending in the true winner's verdict, RM-R1's distillation step) and ``judge_eval`` (held-out
+    judge rows for ``dschat eval --judge``). Deterministic, so any rank may write them."""
     source = Path(corpus.__file__).read_bytes() + Path(prompts.__file__).read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:12]
     folder = cache_root() / f"demo-{digest}"

@@ -177,7 +177,7 @@ def test_sum_rows_have_consistent_answers_and_held_out_prompts() -> None:
     rows = generate_sum_prompts(1000, seed=0, with_solution=True)
     assert rows == generate_sum_prompts(1000, seed=0, with_solution=True)
     assert len({r["prompt"] for r in rows}) == 1000 and sum(not is_chinese(r["prompt"]) for r in rows) == 200
-    pattern = re.compile(r"(?:I ordered (\d) .+ and (\d) .+\. How many items|我买了(\d)件.+和(\d)件.+，一共几件)")
+    pattern = re.compile(r"(?:I ordered .+ x(\d) and .+ x(\d)\. How many items|我买了(\d)件.+和(\d)件.+，一共几件)")
     pairs = set()
     for r in rows:
         a, b = [int(x) for x in pattern.search(r["prompt"]).groups() if x is not None]

@@ -114,6 +114,7 @@ def test_rm_r1_launch_script_dry_run(tmp_path):
     proc = subprocess.run([str(path), "--tiny"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--step 1 --model tiny" in proc.stderr and "--reward-funcs judge_match" in proc.stderr
+    assert "--reward-funcs format --reward-weights 1 --reward-weights 1" in proc.stderr  # as the pipeline's demo
 
 
 @pytest.mark.slow
