@@ -56,6 +56,7 @@ __all__ = [
     "overlong_penalty",
     "pairwise_loss",
     "pairwise_metrics",
+    "per_token_nll",
     "ppo_policy_loss",
     "ppo_value_loss",
     "remax_advantages",
@@ -991,6 +992,17 @@ def best_worst_pairs(rewards: torch.Tensor, num_generations: int, valid: torch.T
     offset = rows * num_generations
     return BestWorstPairs(chosen=(offset + best)[keep], rejected=(offset + worst)[keep],
                           ties=(enough & ~differ).sum(), unpaired=(~enough).sum())
+
+
+def per_token_nll(logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the per-token negative log-likelihood ``-logps / lengths``: RPO's term (Pang et al. 2024,
+    "Iterative Reasoning Preference Optimization", arXiv:2404.19733 eq. 3) added to DPO on the chosen answers.
+
+    Args:
+        logps: ``(B,)`` summed answer log-probs (with grad).
+        lengths: ``(B,)`` answer lengths in tokens (at least 1).
+    """
+    return -(logps.float() / lengths.float()).mean()
 
 
 def kd_loss(

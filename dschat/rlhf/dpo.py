@@ -48,6 +48,9 @@ class DPOArgs:
     label_smoothing: float = arg(0.0, "cdpo: the probability that a preference label is flipped, in [0, 0.5).",
                                  low=0)
     simpo_gamma: float = arg(0.5, "simpo: the target reward margin gamma subtracted inside the sigmoid.", low=0)
+    rpo_alpha: float = arg(0.0, "Weight of the chosen answers' per-token negative log-likelihood added to the "
+                                "loss (RPO: Pang et al. 2024, arXiv:2404.19733). DPO alone can lower the "
+                                "likelihood of both answers and drift; this keeps the chosen ones likely.", low=0)
 
     @property
     def beta(self) -> float:
@@ -91,17 +94,23 @@ def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
               ref_logps: torch.Tensor | None) -> L.DPOLossOutput:
-    """The chosen loss over ``(2B,)`` summed log-probs (chosen first), their answer lengths and the reference's."""
+    """The chosen loss over ``(2B,)`` summed log-probs (chosen first), their answer lengths and the reference's,
+    plus ``rpo_alpha`` times the chosen answers' per-token NLL."""
     c, x = logps.chunk(2)
     nc, nx = lengths.clamp(min=1).float().chunk(2)
     if a.dpo_loss_type == "simpo":
-        return L.simpo_loss(c / nc, x / nx, a.beta, a.simpo_gamma)
-    assert ref_logps is not None
-    rc, rx = ref_logps.chunk(2)
-    if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
-        return L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
-    smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
-    return L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]
+        out = L.simpo_loss(c / nc, x / nx, a.beta, a.simpo_gamma)
+    else:
+        assert ref_logps is not None
+        rc, rx = ref_logps.chunk(2)
+        if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
+            out = L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
+        else:
+            smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
+            out = L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]
+    if a.rpo_alpha:
+        out = out._replace(loss=out.loss + a.rpo_alpha * L.per_token_nll(c, nc))
+    return out
 
 
 def pair_stats(out: L.DPOLossOutput, logps: torch.Tensor, ref_logps: torch.Tensor | None) -> dict[str, float]:

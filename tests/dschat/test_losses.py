@@ -35,6 +35,7 @@ from dschat.losses import (
     overlong_penalty,
     pairwise_loss,
     pairwise_metrics,
+    per_token_nll,
     ppo_policy_loss,
     ppo_value_loss,
     remax_advantages,
@@ -658,6 +659,15 @@ def test_dynamic_sampling_mask_drops_constant_groups():
     rewards = t([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0])
     mask = dynamic_sampling_mask(rewards, num_generations=3)
     assert mask.tolist() == [False] * 3 + [True] * 3 + [False] * 3
+
+
+def test_per_token_nll_by_hand_with_gradient():
+    # rows: -6 over 3 tokens -> 2 per token; -2 over 4 tokens -> 0.5; mean 1.25
+    logps = torch.tensor([-6.0, -2.0], requires_grad=True)
+    loss = per_token_nll(logps, torch.tensor([3, 4]))
+    close(loss.detach(), 1.25)
+    loss.backward()
+    close(logps.grad, [-1 / 6, -1 / 8])  # d/dlogp_i of -(logp_i / n_i) / 2
 
 
 def test_best_worst_pairs_by_hand():

@@ -5,6 +5,7 @@ loop trains on the phase-3 pairs (loss falls, implicit-reward accuracy rises, pa
 log-probs are computed once, simpo loads no reference, and DPO's flags are refused where they do nothing.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,24 @@ def test_dpo_flags_checked_and_refused():
     assert cfg().dpo.beta == 0.1 and cfg(dpo_loss_type="simpo").dpo.beta == 2.0
     assert cfg().algorithm.needs(cfg()) == {"reference"}
     assert cfg(dpo_loss_type="simpo").algorithm.needs(cfg(dpo_loss_type="simpo")) == set()
+
+
+def test_rpo_alpha_adds_the_chosen_per_token_nll():
+    from dschat.rlhf.dpo import DPOArgs, pair_loss
+
+    # Two pairs, policy == reference: the sigmoid DPO loss is log 2. Chosen answers: -6 over 3 tokens and -2 over
+    # 4 tokens, per-token NLL (2 + 0.5) / 2 = 1.25; alpha 0.4 adds 0.5. The rejected answers do not enter it.
+    logps = torch.tensor([-6.0, -2.0, -1.0, -9.0])
+    lengths = torch.tensor([3, 4, 1, 2])
+    plain = pair_loss(DPOArgs(), logps, lengths, logps.clone())
+    rpo = pair_loss(DPOArgs(rpo_alpha=0.4), logps, lengths, logps.clone())
+    assert plain.loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert rpo.loss.item() == pytest.approx(math.log(2) + 0.4 * 1.25, abs=1e-6)
+    assert torch.equal(rpo.chosen_rewards, plain.chosen_rewards)  # the implicit rewards are DPO's
+    simpo = pair_loss(DPOArgs(dpo_loss_type="simpo", simpo_gamma=0.0, rpo_alpha=1.0), logps, lengths, None)
+    # simpo, beta 2: avg c = -2, -0.5; avg x = -1, -4.5 -> -logsigmoid(2 * (-1)) and -logsigmoid(2 * 4)
+    want = (math.log1p(math.exp(2.0)) + math.log1p(math.exp(-8.0))) / 2 + 1.25
+    assert simpo.loss.item() == pytest.approx(want, abs=1e-5)
 
 
 def test_dpo_with_actor_lora_trains_only_the_adapters(tmp_path):
