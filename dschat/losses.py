@@ -37,7 +37,9 @@ __all__ = [
     "PairwiseMetrics",
     "PolicyLossOutput",
     "ValueLossOutput",
+    "BestWorstPairs",
     "approx_kl",
+    "best_worst_pairs",
     "discounted_returns",
     "dpo_loss",
     "dynamic_sampling_mask",
@@ -56,6 +58,7 @@ __all__ = [
     "overlong_penalty",
     "pairwise_loss",
     "pairwise_metrics",
+    "per_token_nll",
     "ppo_policy_loss",
     "ppo_value_loss",
     "remax_advantages",
@@ -124,6 +127,13 @@ class DPOLossOutput(NamedTuple):
     rejected_rewards: torch.Tensor  # (B,) detached beta * (pi_x - ref_x)
     reward_accuracy: torch.Tensor  # () chosen_rewards > rejected_rewards, ties count half
     reward_margin: torch.Tensor  # () mean of chosen_rewards - rejected_rewards
+
+
+class BestWorstPairs(NamedTuple):
+    chosen: torch.Tensor  # (M,) int64 row of each pair's best-rewarded completion
+    rejected: torch.Tensor  # (M,) int64 row of its worst-rewarded completion, same group
+    ties: torch.Tensor  # () int64 groups skipped because their valid completions' rewards are all equal
+    unpaired: torch.Tensor  # () int64 groups skipped for having fewer than two valid completions
 
 
 class KDLossOutput(NamedTuple):
@@ -956,6 +966,52 @@ def simpo_loss(
         reward_accuracy=metrics.accuracy,
         reward_margin=metrics.margin_mean,
     )
+
+
+@torch.no_grad()
+def best_worst_pairs(rewards: torch.Tensor, num_generations: int, valid: torch.Tensor | None = None) -> BestWorstPairs:
+    """Online DPO's preference pairs: in each group of ``num_generations`` completions of one prompt, the
+    best-rewarded completion is chosen and the worst-rewarded one rejected (best-vs-worst of n, as in iterative
+    DPO: Xiong et al. 2024, arXiv:2312.11456; Dong et al. 2024, "RLHF Workflow", arXiv:2405.07863).
+
+    A group whose valid completions all have the same reward carries no preference: it is skipped and counted in
+    ``ties``. Invalid completions (``valid`` False: answers dropped as too short, whose action mask is all zero)
+    never enter a pair; a group with fewer than two valid ones is skipped and counted in ``unpaired``. Among
+    equal best (or equal worst) rewards the first completion is taken, so the pairing is deterministic.
+
+    Args:
+        rewards: ``(N,)``, ``num_generations`` consecutive completions per prompt.
+        num_generations: ``G >= 2``.
+        valid: ``(N,)`` bool, default all True.
+
+    Returns:
+        row indices into the flat batch, one pair per kept group in group order, and the skip counts.
+    """
+    if num_generations < 2 or rewards.dim() != 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} (>= 2) "
+                         f"entries, got shape {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, num_generations)  # (P, G)
+    ok = torch.ones_like(grouped, dtype=torch.bool) if valid is None else valid.bool().view(-1, num_generations)
+    best = torch.where(ok, grouped, -torch.inf).argmax(dim=1)  # (P,) first maximum among the valid
+    worst = torch.where(ok, grouped, torch.inf).argmin(dim=1)  # (P,) first minimum among the valid
+    enough = ok.sum(dim=1) >= 2  # (P,)
+    rows = torch.arange(grouped.shape[0])
+    differ = grouped[rows, best] > grouped[rows, worst]  # (P,) False for an all-equal group
+    keep = enough & differ
+    offset = rows * num_generations
+    return BestWorstPairs(chosen=(offset + best)[keep], rejected=(offset + worst)[keep],
+                          ties=(enough & ~differ).sum(), unpaired=(~enough).sum())
+
+
+def per_token_nll(logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the per-token negative log-likelihood ``-logps / lengths``: RPO's term (Pang et al. 2024,
+    "Iterative Reasoning Preference Optimization", arXiv:2404.19733 eq. 3) added to DPO on the chosen answers.
+
+    Args:
+        logps: ``(B,)`` summed answer log-probs (with grad).
+        lengths: ``(B,)`` answer lengths in tokens (at least 1).
+    """
+    return -(logps.float() / lengths.float()).mean()
 
 
 def kd_loss(

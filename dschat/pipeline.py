@@ -1,5 +1,5 @@
-"""``dschat pipeline``: run stages 1 -> 2 -> 3 (or 1 -> GRPO, or a judge: 1 -> GRPO on judge rows), each
-consuming the previous stage's checkpoint.
+"""``dschat pipeline``: run stages 1 -> 2 -> 3 (or 1 -> 2 -> DPO, 1 -> GRPO, or a judge: 1 -> GRPO on judge rows),
+each consuming the previous stage's checkpoint.
 
 Each stage runs in its own process (``dschat train --step N``), so memory is returned between stages and
 ``--num-gpus``/``--hostfile`` work as for ``train``. A stage whose output folder already holds a finished run
@@ -23,10 +23,16 @@ from dschat.demo import demo_files
 from dschat.errors import UserError
 from dschat.utils import write_json
 
-STAGES = {"sft": 1, "rm": 2, "ppo": 3, "grpo": 3, "judge": 3}
-FOLDERS = {"sft": "step1_sft", "rm": "step2_reward", "ppo": "step3_rlhf", "grpo": "step3_grpo", "judge": "step3_judge"}
-ORDER = ["sft", "rm", "ppo", "grpo", "judge"]
+STAGES = {"sft": 1, "rm": 2, "ppo": 3, "dpo": 3, "grpo": 3, "judge": 3}
+FOLDERS = {"sft": "step1_sft", "rm": "step2_reward", "ppo": "step3_rlhf", "dpo": "step3_dpo", "grpo": "step3_grpo",
+           "judge": "step3_judge"}
+ORDER = ["sft", "rm", "ppo", "dpo", "grpo", "judge"]
 ALL = ["sft", "rm", "ppo"]
+# The DPO pipeline: the PPO pipeline's SFT and reward model (the same folders and recipe, so a finished `dschat
+# pipeline all` is reused), then DPO (`--rl-args "--algo online_dpo"`: online DPO, folder step3_online_dpo). The
+# reward model only scores: online DPO's samples, and both algorithms' held-out answers before and after.
+DPO = ["sft", "rm", "dpo"]
+DPO_ALGOS = ("dpo", "online_dpo")
 # The GRPO pipeline: SFT (its own folder: in the demo it trains on other data than the PPO pipeline's SFT) -> GRPO.
 GRPO = ["sft", "grpo"]
 GRPO_SFT_FOLDER = "step1_sft_grpo"
@@ -44,6 +50,16 @@ DEMO_ARGS = {
             "--per-device-generation-batch-size", "16",
             "--per-device-train-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
             "--kl-ctl", "0.05"],
+}
+# `dschat pipeline dpo` on the demo: the phase-3 pairs of the PPO demo's data (offline DPO trains on them, online DPO
+# on their prompts), 256 of them held out for the implicit-reward accuracy and the reward-model score of sampled
+# answers before and after.
+DPO_DEMO_ARGS = {
+    "dpo": ["--max-steps", "100", "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
+            "--max-answer-seq-len", "64", "--eval-fraction", "0.2", "--max-eval-rows", "256"],
+    "online_dpo": ["--max-steps", "100", "--num-generations", "4", "--per-device-generation-batch-size", "16",
+                   "--per-device-train-batch-size", "16", "--max-answer-seq-len", "64", "--eval-fraction", "0.2",
+                   "--max-eval-rows", "256"],
 }
 # `dschat pipeline grpo` on the demo: a task the 1.4M-parameter model can learn, small sums ("I ordered X x3 and Y x5.
 # How many items is that?", addends 1..5). One epoch of SFT on worked solutions of other such prompts (demo file
@@ -83,28 +99,45 @@ JUDGE_EVAL_ARGS = ["--max-new-tokens", "40", "--batch-size", "50"]
 
 
 def parse_stages(text: str) -> list[str]:
-    """``all`` = sft,rm,ppo; ``grpo`` = sft,grpo (the GRPO pipeline); ``judge`` = sft,judge (the generative judge
-    pipeline); else a comma list of stages, run in order. The three pipelines do not mix in one call: the SFT
-    stages of the GRPO and judge pipelines are their own (folders ``step1_sft_grpo``, ``step1_sft_judge``)."""
+    """``all`` = sft,rm,ppo; ``dpo`` = sft,rm,dpo (the DPO pipeline); ``grpo`` = sft,grpo (the GRPO pipeline);
+    ``judge`` = sft,judge (the generative judge pipeline); else a comma list of stages, run in order. The PPO and
+    DPO pipelines share their SFT and reward model; the GRPO and judge pipelines have SFT stages of their own
+    (folders ``step1_sft_grpo``, ``step1_sft_judge``), so no two pipelines mix in one call."""
     if text == "all":
         return list(ALL)
-    presets = {"grpo": GRPO, "judge": JUDGE}
+    presets = {"dpo": DPO, "grpo": GRPO, "judge": JUDGE}
     names = list(presets[text]) if text in presets else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown or not names:
-        raise UserError(f"unknown pipeline stage(s) {', '.join(unknown) or text!r}; use all (sft,rm,ppo), grpo "
-                        f"(sft,grpo), judge (sft,judge) or a list of {', '.join(ORDER)}")
-    pipelines = [p for p, members in (("ppo", {"rm", "ppo"}), ("grpo", {"grpo"}), ("judge", {"judge"}))
-                 if members & set(names)]
-    if len(pipelines) > 1:
-        raise UserError("the PPO pipeline (sft,rm,ppo), the GRPO pipeline (sft,grpo) and the judge pipeline "
-                        "(sft,judge) are separate runs; run `dschat pipeline all`, `dschat pipeline grpo` and "
-                        "`dschat pipeline judge` one after the other")
+        raise UserError(f"unknown pipeline stage(s) {', '.join(unknown) or text!r}; use all (sft,rm,ppo), dpo "
+                        f"(sft,rm,dpo), grpo (sft,grpo), judge (sft,judge) or a list of {', '.join(ORDER)}")
+    pipelines = [p for p in ("ppo", "dpo", "grpo", "judge") if p in names]
+    if len(pipelines) > 1 or ("rm" in names and set(pipelines) & {"grpo", "judge"}):
+        raise UserError("the PPO pipeline (sft,rm,ppo), the DPO pipeline (sft,rm,dpo), the GRPO pipeline "
+                        "(sft,grpo) and the judge pipeline (sft,judge) are separate runs; run `dschat pipeline "
+                        "all`, `dschat pipeline dpo`, `dschat pipeline grpo` and `dschat pipeline judge` one after "
+                        "the other")
     return sorted(set(names), key=ORDER.index)
 
 
-def folder_of(name: str, names: list[str]) -> str:
-    """A stage's output folder; the SFT of the GRPO and judge pipelines has its own."""
+def dpo_algo(rl_args: list[str]) -> str:
+    """The DPO stage's ``--algo`` from ``--rl-args`` (default dpo): dpo or online_dpo."""
+    algo = "dpo"
+    for i, a in enumerate(rl_args):
+        if a == "--algo" and i + 1 < len(rl_args):
+            algo = rl_args[i + 1]
+        elif a.startswith("--algo="):
+            algo = a.split("=", 1)[1]
+    if algo not in DPO_ALGOS:
+        raise UserError(f"the DPO pipeline runs --algo dpo or online_dpo, not {algo!r}")
+    return algo
+
+
+def folder_of(name: str, names: list[str], algo: str = "dpo") -> str:
+    """A stage's output folder; the SFT of the GRPO and judge pipelines has its own, and the DPO stage's is its
+    algorithm's (``step3_dpo``, ``step3_online_dpo``)."""
+    if name == "dpo":
+        return f"step3_{algo}"
     if name == "sft" and "grpo" in names:
         return GRPO_SFT_FOLDER
     if name == "sft" and "judge" in names:
@@ -116,12 +149,13 @@ def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[st
                extra: dict[str, list[str]], names: list[str] | None = None) -> list[str]:
     names = names or ALL
     grpo, judge = "grpo" in names, "judge" in names
+    algo = dpo_algo(extra.get("dpo", [])) if name == "dpo" else ""
     argv = ["--step", str(STAGES[name])]
     if name == "sft":
         argv += ["--model", model]
     elif name == "rm":
         argv += ["--model", reward_base if reward_base else str(out / FOLDERS["sft"] / "model")]
-    elif name in ("grpo", "judge"):
+    elif name in ("grpo", "judge", "dpo"):
         argv += ["--actor-model", str(out / folder_of("sft", names) / "model")]
     else:
         argv += ["--actor-model", str(out / FOLDERS["sft"] / "model"),
@@ -129,17 +163,27 @@ def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[st
     if demo and (grpo or judge):  # demo data: format warm-up rows for SFT, rows with a ground truth for GRPO
         files = {"sft": "judge_sft", "judge": "judge"} if judge else {"sft": "sums_sft", "grpo": "sums"}
         data = [str(demo_files()[files[name]])]
+    if demo and name == "dpo":  # the demo's pairs (online DPO's own default is GRPO's arithmetic prompts)
+        data = [str(demo_files()["pairwise"])]
     for d in data:
         argv += ["--data", d]
-    argv += ["--output-dir", str(out / folder_of(name, names))]
+    argv += ["--output-dir", str(out / folder_of(name, names, algo))]
     if name == "judge":  # a judge learns from its verdicts, whatever the data
         argv += ["--algo", "grpo", "--reward-funcs", "judge_match"]
+    if name == "dpo":  # the reward model scores (online DPO's samples; held-out answers), it is not trained on
+        argv += ["--reward-model", str(out / FOLDERS["rm"] / "model"), "--algo", algo]
     if demo:
-        argv += (JUDGE_DEMO_ARGS if judge else GRPO_DEMO_ARGS if grpo else DEMO_ARGS)[name]
-    return argv + extra.get(name, [])
+        argv += DPO_DEMO_ARGS[algo] if name == "dpo" else \
+            (JUDGE_DEMO_ARGS if judge else GRPO_DEMO_ARGS if grpo else DEMO_ARGS)[name]
+    rest = extra.get(name, [])
+    if name == "dpo":  # --algo is placed above, once
+        rest = [a for i, a in enumerate(rest) if a != "--algo" and not a.startswith("--algo=")
+                and not (i and rest[i - 1] == "--algo")]
+    return argv + rest
 
 
-def summarize(out: Path, timings: dict[str, float], names: list[str] | None = None) -> dict[str, Any]:
+def summarize(out: Path, timings: dict[str, float], names: list[str] | None = None,
+              algo: str = "dpo") -> dict[str, Any]:
     def load(name: str) -> dict[str, Any]:  # a stage folder's eval.json, or a .json file in the output folder
         path = out / name if name.endswith(".json") else out / name / "eval.json"
         return json.loads(path.read_text()) if path.exists() else {}
@@ -188,10 +232,21 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
                for when in ("before", "after", "gain_se")},
             "grpo_kl_after": rl.get("kl_after"), "seconds": timings,
         }
-    sft, rm, rl = load("step1_sft"), load("step2_reward"), load("step3_rlhf")
+    sft, rm = load(FOLDERS["sft"]), load(FOLDERS["rm"])
+    common = {"sft_perplexity_before": sft.get("perplexity_before"), "sft_perplexity": sft.get("perplexity"),
+              "rm_accuracy_before": rm.get("accuracy_before"), "rm_accuracy": rm.get("accuracy")}
+    if "dpo" in names:
+        rl = load(folder_of("dpo", names, algo))
+        return {**common, "dpo_algo": algo, "dpo_loss_type": rl.get("loss_type"), "dpo_beta": rl.get("beta"),
+                **{f"dpo_{k}": rl.get(k) for k in (
+                    "implicit_accuracy_before", "implicit_accuracy_after", "implicit_margin_before",
+                    "implicit_margin_after", "eval_pairs_after", "reward_before", "reward_after", "reward_before_se",
+                    "reward_after_se", "reward_gain", "reward_gain_se", "eval_prompts", "kl_after", "pairs",
+                    "tie_groups")},
+                "seconds": timings}
+    rl = load(FOLDERS["ppo"])
     return {
-        "sft_perplexity_before": sft.get("perplexity_before"), "sft_perplexity": sft.get("perplexity"),
-        "rm_accuracy_before": rm.get("accuracy_before"), "rm_accuracy": rm.get("accuracy"),
+        **common,
         "ppo_reward_before": rl.get("reward_before"), "ppo_reward_after": rl.get("reward_after"),
         "ppo_reward_gain": rl.get("reward_gain"), "ppo_reward_gain_se": rl.get("reward_gain_se"),
         "ppo_kl_after": rl.get("kl_after"), "seconds": timings,
@@ -236,7 +291,8 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 @click.option("--hostfile", default=None, help="Run each stage under the deepspeed launcher on these hosts.")
 @click.option("--sft-args", default="", help="Extra stage-1 flags, e.g. \"--max-steps 100 --zero-stage 2\".")
 @click.option("--rm-args", default="", help="Extra stage-2 flags.")
-@click.option("--rl-args", default="", help="Extra stage-3 flags.")
+@click.option("--rl-args", default="", help="Extra stage-3 flags (the DPO pipeline: \"--algo online_dpo\" for online "
+                                            "DPO).")
 @click.option("--eval-data", multiple=True, help="judge: held-out judge rows on which the SFT and the GRPO judges "
                                                   "are evaluated (default: the demo's held-out file in the demo; "
                                                   "none otherwise, and the evaluation is skipped).")
@@ -244,16 +300,18 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], output_dir: str, force: bool,
              num_gpus: int | None, hostfile: str | None, sft_args: str, rm_args: str, rl_args: str,
              eval_data: tuple[str, ...], eval_args: str) -> None:
-    """Run stages (all = sft,rm,ppo; grpo = sft,grpo; judge = sft,judge), each consuming the previous checkpoint;
-    report the results.
+    """Run stages (all = sft,rm,ppo; dpo = sft,rm,dpo; grpo = sft,grpo; judge = sft,judge), each consuming the
+    previous checkpoint; report the results.
 
-    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo, grpo or judge.
+    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo, dpo, grpo or judge
+    (dpo: --rl-args "--algo online_dpo" runs online DPO).
     """
     names = parse_stages(stages)
     out = Path(output_dir)
     demo = model == "tiny" and not data
     rl = shlex.split(rl_args)
-    extra = {"sft": shlex.split(sft_args), "rm": shlex.split(rm_args), "ppo": rl, "grpo": rl, "judge": rl}
+    extra = {"sft": shlex.split(sft_args), "rm": shlex.split(rm_args), "ppo": rl, "dpo": rl, "grpo": rl, "judge": rl}
+    algo = dpo_algo(rl) if "dpo" in names else "dpo"
     timings: dict[str, float] = {}
     for name in names:
         argv = stage_argv(name, out, model, reward_base, list(data), demo, extra, names)
@@ -280,7 +338,7 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
             eval_data = (str(demo_files()["judge_eval"]),)
         if eval_data:
             judge_evals(out, names, list(eval_data), shlex.split(eval_args), timings)
-    report = summarize(out, timings, names)
+    report = summarize(out, timings, names, algo)
     write_json(out / "pipeline.json", report)
     click.echo("\n=== dschat pipeline report ===")
     click.echo(f"SFT   perplexity        {_fmt(report['sft_perplexity_before'], '.2f')} -> "
@@ -312,6 +370,17 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
             gain = a - b if isinstance(a, int | float) and isinstance(b, int | float) else None
             click.echo(f"      {func:<17} {_fmt(b)} -> {_fmt(a)} (gain {_fmt(gain)} ± "
                        f"{_fmt(report.get(f'grpo_reward_{func}_gain_se'))} s.e.)")
+    elif "dpo" in names:
+        name = "DPO  " if algo == "dpo" else "ODPO "
+        click.echo(f"RM    accuracy          {_fmt(report['rm_accuracy_before'])} -> {_fmt(report['rm_accuracy'])}")
+        click.echo(f"{name} implicit acc.     {_fmt(report['dpo_implicit_accuracy_before'])} -> "
+                   f"{_fmt(report['dpo_implicit_accuracy_after'])} ({report['dpo_eval_pairs_after'] or '-'} held-out "
+                   f"pairs), {algo} loss {report['dpo_loss_type'] or '-'}, beta {_fmt(report['dpo_beta'], 'g')}")
+        click.echo(f"      RM reward         {_fmt(report['dpo_reward_before'])} -> {_fmt(report['dpo_reward_after'])} "
+                   f"(gain {_fmt(report['dpo_reward_gain'])} ± {_fmt(report['dpo_reward_gain_se'])} s.e., "
+                   f"{report['dpo_eval_prompts'] or '-'} held-out prompts sampled), KL {_fmt(report['dpo_kl_after'])}")
+        if algo == "online_dpo":
+            click.echo(f"      pairs trained     {report['dpo_pairs']}, tied groups skipped {report['dpo_tie_groups']}")
     else:
         click.echo(f"RM    accuracy          {_fmt(report['rm_accuracy_before'])} -> {_fmt(report['rm_accuracy'])}")
         click.echo(f"PPO   reward            {_fmt(report['ppo_reward_before'])} -> "

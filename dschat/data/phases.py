@@ -27,7 +27,9 @@ from typing import Any
 
 from dschat.config import DataArgs
 from dschat.data.formats import (
+    CONV_PAIRWISE,
     FORMATS,
+    PAIRWISE,
     Example,
     Span,
     check_malformed,
@@ -234,6 +236,21 @@ def _earlier_turns(examples: list[Example], tokenizer: Any,
             labels = labels + (list(span_ids) if span.trained else [-100] * len(span_ids))
         out[i] = (ids, labels)
     return out
+
+
+def pairs_of(rows: list[dict[str, Any]], tokenizer: Any, data: DataArgs) -> list[dict[str, Any]]:
+    """The chosen/rejected pairs behind phase-3 prompt rows that came from pairwise data (a prompt row keeps its
+    source row's fields in ``extra``), tokenized as phase 2 tokenizes pairs; rows without a pair give none, and
+    pairs phase 2 would drop (identical, too long) are dropped. Online DPO trains on prompts and evaluates its
+    implicit reward on the pairs of the same held-out rows that offline DPO evaluates on."""
+    counts: Counter[str] = Counter()
+    examples: list[Example] = []
+    for row in rows:
+        source = {**row.get("extra", {}), WHERE: row.get("where", "?")}
+        fmt = detect_format(source)
+        if fmt in (PAIRWISE, CONV_PAIRWISE):
+            examples += parse_rows([source], fmt, counts)[0]
+    return tokenize_examples(examples, 2, tokenizer, data, counts)
 
 
 def _jsonable(extra: dict[str, Any]) -> dict[str, Any]:

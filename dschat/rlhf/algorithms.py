@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from dschat.rlhf.dpo import DPO
 from dschat.rlhf.grpo import GRPO
+from dschat.rlhf.online_dpo import OnlineDPO
 from dschat.rlhf.ppo import PPO
 from dschat.rlhf.reinforce_pp import ReinforcePP, ReinforcePPBaseline
 from dschat.rlhf.remax import ReMax
 from dschat.rlhf.rloo import RLOO
 
-ALGORITHMS = {a.name: a for a in (PPO, GRPO, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax, DPO)}
+ALGORITHMS = {a.name: a for a in (PPO, GRPO, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax, DPO, OnlineDPO)}
 OWNED_GROUPS = frozenset(u.split(".")[0] for a in ALGORITHMS.values() for u in a.uses)

@@ -29,7 +29,7 @@ class RLArgs:
                     choices=tuple(ALGORITHMS))
     per_device_generation_batch_size: int = arg(8, "Prompts per device per generation batch (GRPO: prompts per "
                                                    "step, each with --num-generations completions; DPO: pairs "
-                                                   "per update).", low=1)
+                                                   "per update; online DPO: prompts per update).", low=1)
     max_answer_seq_len: int = arg(256, "Longest generated answer in tokens.", low=1)
     min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
                                  "counted as dropped (SPEC 5.1).", low=0)

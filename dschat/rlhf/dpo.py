@@ -48,6 +48,9 @@ class DPOArgs:
     label_smoothing: float = arg(0.0, "cdpo: the probability that a preference label is flipped, in [0, 0.5).",
                                  low=0)
     simpo_gamma: float = arg(0.5, "simpo: the target reward margin gamma subtracted inside the sigmoid.", low=0)
+    rpo_alpha: float = arg(0.0, "Weight of the chosen answers' per-token negative log-likelihood added to the "
+                                "loss (RPO: Pang et al. 2024, arXiv:2404.19733). DPO alone can lower the "
+                                "likelihood of both answers and drift; this keeps the chosen ones likely.", low=0)
 
     @property
     def beta(self) -> float:
@@ -91,17 +94,23 @@ def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
               ref_logps: torch.Tensor | None) -> L.DPOLossOutput:
-    """The chosen loss over ``(2B,)`` summed log-probs (chosen first), their answer lengths and the reference's."""
+    """The chosen loss over ``(2B,)`` summed log-probs (chosen first), their answer lengths and the reference's,
+    plus ``rpo_alpha`` times the chosen answers' per-token NLL."""
     c, x = logps.chunk(2)
     nc, nx = lengths.clamp(min=1).float().chunk(2)
     if a.dpo_loss_type == "simpo":
-        return L.simpo_loss(c / nc, x / nx, a.beta, a.simpo_gamma)
-    assert ref_logps is not None
-    rc, rx = ref_logps.chunk(2)
-    if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
-        return L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
-    smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
-    return L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]
+        out = L.simpo_loss(c / nc, x / nx, a.beta, a.simpo_gamma)
+    else:
+        assert ref_logps is not None
+        rc, rx = ref_logps.chunk(2)
+        if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
+            out = L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
+        else:
+            smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
+            out = L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]
+    if a.rpo_alpha:
+        out = out._replace(loss=out.loss + a.rpo_alpha * L.per_token_nll(c, nc))
+    return out
 
 
 def pair_stats(out: L.DPOLossOutput, logps: torch.Tensor, ref_logps: torch.Tensor | None) -> dict[str, float]:
@@ -113,6 +122,48 @@ def pair_stats(out: L.DPOLossOutput, logps: torch.Tensor, ref_logps: torch.Tenso
     if ref_logps is not None:  # mean log-ratio of the pair sequences to the reference (SimPO has none)
         stats["logratio"] = (logps.detach() - ref_logps).mean().item()
     return stats
+
+
+@torch.no_grad()
+def implicit_eval(models: Any, a: DPOArgs, loader: EvalLoader) -> dict[str, Any]:
+    """``EVAL_KEYS`` over held-out pairs (``DataCollatorPairs`` batches): the implicit reward ``beta * (pi - ref)``
+    of chosen and rejected answers, its accuracy (ties count half) and margin, the summed log-probs, and the mean
+    log-ratio of the pair sequences to the reference (None with simpo, which has none)."""
+    cols: dict[str, list[float]] = {k: [] for k in ("acc", "margin", "rc", "rx", "lc", "lx", "ratio")}
+    models.actor.eval()
+    for batch, real in lockstep_batches(loader):
+        b = to_device(batch, E.device())
+        logps, lengths = sequence_logps(models.actor, b["input_ids"], b["attention_mask"], b["prompt_len"])
+        ref = sequence_logps(models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])[0] \
+            if models.ref is not None else None
+        out = pair_loss(a, logps, lengths, ref)
+        if not real:
+            continue
+        c, x = logps.chunk(2)
+        rc, rx = out.chosen_rewards, out.rejected_rewards
+        cols["acc"] += ((rc > rx).float() + 0.5 * (rc == rx).float()).tolist()
+        cols["margin"] += (rc - rx).tolist()
+        cols["rc"] += rc.tolist()
+        cols["rx"] += rx.tolist()
+        cols["lc"] += c.tolist()
+        cols["lx"] += x.tolist()
+        if ref is not None:
+            cols["ratio"] += (logps - ref).view(2, -1).mean(0).tolist()
+    models.actor.train()
+    gathered = E.gather_objects(cols)
+    t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
+    res: dict[str, Any] = {k: (t[c].mean().item() if len(t[c]) else None) for k, c in zip(
+        EVAL_KEYS, ("acc", "margin", "rc", "rx", "lc", "lx", "ratio"), strict=False)}
+    res["eval_pairs"] = len(t["acc"])
+    return res
+
+
+def implicit_summary(a: DPOArgs, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """eval.json's DPO part: the loss, beta and every ``EVAL_KEYS`` entry before and after."""
+    out: dict[str, Any] = {"loss_type": a.dpo_loss_type, "beta": a.beta}
+    for k in EVAL_KEYS:
+        out[f"{k}_before"], out[f"{k}_after"] = before.get(k), after.get(k)
+    return out
 
 
 class DPO:
@@ -172,10 +223,7 @@ class DPO:
         return f"DPO loss {a.dpo_loss_type}, beta {a.beta}{extra.get(a.dpo_loss_type, '')}{rewards}"
 
     def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {"loss_type": self.a.dpo_loss_type, "beta": self.a.beta}
-        for k in EVAL_KEYS:
-            out[f"{k}_before"], out[f"{k}_after"] = before.get(k), after.get(k)
-        return out
+        return implicit_summary(self.a, before, after)
 
     def state(self) -> dict[str, Any]:
         return {}
@@ -226,35 +274,10 @@ class DPO:
     def evaluate(self, loader: EvalLoader) -> dict[str, Any]:
         """Held-out implicit-reward accuracy, margin, log-probs and log-ratio to the reference over pairs; with
         reward sources, also the reward of sampled answers to the pairs' prompts (``evaluation.evaluate``)."""
-        m, cols = self.models, {k: [] for k in ("acc", "margin", "rc", "rx", "lc", "lx", "ratio")}
-        m.actor.eval()
-        for batch, real in lockstep_batches(loader):
-            b = to_device(batch, E.device())
-            logps, lengths = sequence_logps(m.actor, b["input_ids"], b["attention_mask"], b["prompt_len"])
-            ref = sequence_logps(m.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])[0] \
-                if m.ref is not None else None
-            out = pair_loss(self.a, logps, lengths, ref)
-            if not real:
-                continue
-            c, x = logps.chunk(2)
-            rc, rx = out.chosen_rewards, out.rejected_rewards
-            cols["acc"] += ((rc > rx).float() + 0.5 * (rc == rx).float()).tolist()
-            cols["margin"] += (rc - rx).tolist()
-            cols["rc"] += rc.tolist()
-            cols["rx"] += rx.tolist()
-            cols["lc"] += c.tolist()
-            cols["lx"] += x.tolist()
-            if ref is not None:
-                cols["ratio"] += (logps - ref).view(2, -1).mean(0).tolist()
-        m.actor.train()
-        gathered = E.gather_objects(cols)
-        t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
-        res: dict[str, Any] = {k: (t[c].mean().item() if len(t[c]) else None) for k, c in zip(
-            EVAL_KEYS, ("acc", "margin", "rc", "rx", "lc", "lx", "ratio"), strict=False)}
-        res["eval_pairs"] = len(t["acc"])
+        res = implicit_eval(self.models, self.a, loader)
         if self.scorer is not None:
-            res.update(evaluate(m, self.hybrid, self.prompt_loader(loader), self.gen, self.cfg.rl.temperature,
-                                self.cfg.run.seed, self.scorer))
+            res.update(evaluate(self.models, self.hybrid, self.prompt_loader(loader), self.gen,
+                                self.cfg.rl.temperature, self.cfg.run.seed, self.scorer))
         return res
 
     def prompt_loader(self, loader: EvalLoader) -> EvalLoader:

@@ -16,6 +16,7 @@ from dschat.losses import (
     AdaptiveKLController,
     FixedKLController,
     approx_kl,
+    best_worst_pairs,
     discounted_returns,
     distill_sft_loss,
     dpo_loss,
@@ -35,6 +36,7 @@ from dschat.losses import (
     overlong_penalty,
     pairwise_loss,
     pairwise_metrics,
+    per_token_nll,
     ppo_policy_loss,
     ppo_value_loss,
     remax_advantages,
@@ -658,6 +660,53 @@ def test_dynamic_sampling_mask_drops_constant_groups():
     rewards = t([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0])
     mask = dynamic_sampling_mask(rewards, num_generations=3)
     assert mask.tolist() == [False] * 3 + [True] * 3 + [False] * 3
+
+
+def test_per_token_nll_by_hand_with_gradient():
+    # rows: -6 over 3 tokens -> 2 per token; -2 over 4 tokens -> 0.5; mean 1.25
+    logps = torch.tensor([-6.0, -2.0], requires_grad=True)
+    loss = per_token_nll(logps, torch.tensor([3, 4]))
+    close(loss.detach(), 1.25)
+    loss.backward()
+    close(logps.grad, [-1 / 6, -1 / 8])  # d/dlogp_i of -(logp_i / n_i) / 2
+
+
+def test_best_worst_pairs_by_hand():
+    # Three prompts, G = 4 (rows 0-3, 4-7, 8-11):
+    #   group 0: 1, 3, 2, 3 -> best 3 (first of the two: row 1), worst 1 (row 0)
+    #   group 1: 5, 5, 5, 5 -> all equal: a tie, no pair
+    #   group 2: 0, 1, 2, -1 -> best row 10 (2), worst row 11 (-1)
+    rewards = t([1.0, 3.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0, 0.0, 1.0, 2.0, -1.0])
+    p = best_worst_pairs(rewards, 4)
+    assert p.chosen.tolist() == [1, 10] and p.rejected.tolist() == [0, 11]
+    assert p.ties.item() == 1 and p.unpaired.item() == 0
+    # G = 2: every pair is the group itself, unless the two tie.
+    p = best_worst_pairs(t([0.5, -1.0, 2.0, 2.0, -3.0, 0.0]), 2)
+    assert p.chosen.tolist() == [0, 5] and p.rejected.tolist() == [1, 4] and p.ties.item() == 1
+
+
+def test_best_worst_pairs_skip_padded_answers():
+    # valid False marks answers dropped as too short (all-zero action mask): they never enter a pair, even with
+    # the group's best or worst reward.
+    #   group 0: valid rows 0 (1) and 2 (2); row 1 (9) and row 3 (-9) are padding -> chosen 2, rejected 0
+    #   group 1: valid rows 4, 5 (both 7); row 6 (0) is padding -> a tie among the valid ones
+    #   group 2: only row 11 valid -> no pair, counted as unpaired
+    #   group 3: nothing valid -> unpaired
+    rewards = t([1.0, 9.0, 2.0, -9.0, 7.0, 7.0, 0.0, 7.0, 0.0, 4.0, 1.0, 3.0, 1.0, 2.0, 3.0, 4.0])
+    valid = torch.tensor([1, 0, 1, 0, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0]).bool()
+    p = best_worst_pairs(rewards, 4, valid)
+    assert p.chosen.tolist() == [2] and p.rejected.tolist() == [0]
+    assert p.ties.item() == 1 and p.unpaired.item() == 2
+
+
+def test_best_worst_pairs_all_equal_groups_give_no_pairs():
+    p = best_worst_pairs(torch.zeros(6), 3)
+    assert p.chosen.numel() == 0 and p.rejected.numel() == 0 and p.ties.item() == 2 and p.unpaired.item() == 0
+    assert p.chosen.dtype == torch.int64  # empty, but still usable as an index
+    with pytest.raises(ValueError, match="num_generations"):
+        best_worst_pairs(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match="multiple"):
+        best_worst_pairs(torch.zeros(5), 2)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@ loop trains on the phase-3 pairs (loss falls, implicit-reward accuracy rises, pa
 log-probs are computed once, simpo loads no reference, and DPO's flags are refused where they do nothing.
 """
 
+import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from dschat.config import build_config, refuse_inert
 from dschat.demo import demo_files
@@ -15,6 +18,12 @@ from dschat.rlhf.config import RLHFConfig, check_config
 from tests.helpers import fraction_changed as _moved
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
 
 
 def dpo_cfg(out, **kw):
@@ -76,3 +85,110 @@ def test_dpo_flags_checked_and_refused():
     assert cfg().dpo.beta == 0.1 and cfg(dpo_loss_type="simpo").dpo.beta == 2.0
     assert cfg().algorithm.needs(cfg()) == {"reference"}
     assert cfg(dpo_loss_type="simpo").algorithm.needs(cfg(dpo_loss_type="simpo")) == set()
+
+
+def test_rpo_alpha_adds_the_chosen_per_token_nll():
+    from dschat.rlhf.dpo import DPOArgs, pair_loss
+
+    # Two pairs, policy == reference: the sigmoid DPO loss is log 2. Chosen answers: -6 over 3 tokens and -2 over
+    # 4 tokens, per-token NLL (2 + 0.5) / 2 = 1.25; alpha 0.4 adds 0.5. The rejected answers do not enter it.
+    logps = torch.tensor([-6.0, -2.0, -1.0, -9.0])
+    lengths = torch.tensor([3, 4, 1, 2])
+    plain = pair_loss(DPOArgs(), logps, lengths, logps.clone())
+    rpo = pair_loss(DPOArgs(rpo_alpha=0.4), logps, lengths, logps.clone())
+    assert plain.loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert rpo.loss.item() == pytest.approx(math.log(2) + 0.4 * 1.25, abs=1e-6)
+    assert torch.equal(rpo.chosen_rewards, plain.chosen_rewards)  # the implicit rewards are DPO's
+    simpo = pair_loss(DPOArgs(dpo_loss_type="simpo", simpo_gamma=0.0, rpo_alpha=1.0), logps, lengths, None)
+    # simpo, beta 2: avg c = -2, -0.5; avg x = -1, -4.5 -> -logsigmoid(2 * (-1)) and -logsigmoid(2 * 4)
+    want = (math.log1p(math.exp(2.0)) + math.log1p(math.exp(-8.0))) / 2 + 1.25
+    assert simpo.loss.item() == pytest.approx(want, abs=1e-5)
+
+
+def test_dpo_with_actor_lora_trains_only_the_adapters(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models import resolve_model
+
+    out = tmp_path / "lora"
+    metrics = run(dpo_cfg(out, max_steps=3, actor_lora_dim=4, actor_lora_learning_rate=1e-2,
+                          actor_lora_module_name="q_proj,v_proj", save_adapter=True))
+    assert metrics["steps"] == 3
+    # The reference is the frozen base, so the implicit margin moves only through the adapters.
+    assert metrics["implicit_margin_after"] != pytest.approx(metrics["implicit_margin_before"], abs=1e-6)
+    start = _weights(resolve_model("tiny"))
+    actor = AutoModelForCausalLM.from_pretrained(out / "actor")  # merged: plain transformers, no peft
+    merged = {k: v for k, v in actor.state_dict().items() if k in start}
+    moved = [k for k in start if not torch.equal(start[k], merged[k])]
+    assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in moved)
+    assert (out / "actor" / "adapter" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("algo", ["dpo", pytest.param("online_dpo", marks=pytest.mark.slow)])
+def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch, algo):
+    # A resumed DPO run recomputes the reference's log-probs of the pairs (they are not saved) and continues at the
+    # next pair batch; online DPO also restores the sampling RNG and its pair/tie totals.
+    import os
+    import signal
+
+    from dschat.rlhf.algorithms import ALGORITHMS
+    from dschat.stage import Interrupted
+    from tests.helpers import losses
+
+    Algo = ALGORITHMS[algo]
+    kw = {"max_steps": 4, "algo": algo}
+    if algo == "online_dpo":
+        (tmp_path / "r.py").write_text("def reward(prompts, completions, **fields):\n"
+                                       "    return [float(len(set(c)) % 3) for c in completions]\n")
+        kw.update(reward_funcs=[f"{tmp_path / 'r.py'}:reward"], num_generations=2, max_answer_seq_len=8,
+                  per_device_generation_batch_size=4, max_eval_rows=4)
+    ref = tmp_path / "ref"
+    run(dpo_cfg(ref, **kw))
+    real_step = Algo.step
+    calls = {"n": 0}
+
+    def interrupted_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives during step 2, which still runs to its end
+        return real_step(*args, **kwargs)
+
+    out = tmp_path / "int"
+    monkeypatch.setattr(Algo, "step", interrupted_step)
+    with pytest.raises(Interrupted, match="interrupted: saved .*step-00000002"):
+        run(dpo_cfg(out, **kw))
+    monkeypatch.setattr(Algo, "step", real_step)
+    run(dpo_cfg(out, **kw, force=False, resume=True))
+    for key in ("train/actor_loss", "train/implicit_margin"):
+        want, got = losses(ref, key), losses(out, key)
+        assert sorted(got) == sorted(want) == [1, 2, 3, 4], key
+        for step in want:
+            assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-6), (key, step)
+    a, b = read_json(ref / "eval.json"), read_json(out / "eval.json")
+    assert b["implicit_accuracy_before"] == a["implicit_accuracy_before"]  # kept in the state, not recomputed
+    assert b["implicit_margin_after"] == pytest.approx(a["implicit_margin_after"], rel=1e-4, abs=1e-6)
+    if algo == "online_dpo":
+        assert (b["pairs"], b["tie_groups"]) == (a["pairs"], a["tie_groups"])
+    wa, wb = _weights(ref / "actor"), _weights(out / "actor")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dpo_two_ranks_actor_zero3_under_launcher(tmp_path):
+    # Two CPU ranks under the deepspeed launcher, actor and reference at ZeRO-3: the reference log-probs of every
+    # pair are computed on all ranks (collective forwards), each rank trains on its own pairs.
+    from tests.helpers import run_cli
+
+    out = tmp_path / "dist"
+    proc = run_cli("train", "--step", "3", "--num-gpus", "2", "--algo", "dpo", "--actor-model", "tiny",
+                   "--data", str(demo_files()["pairwise"]), "--data-split", "18,1,1", "--actor-zero-stage", "3",
+                   "--output-dir", str(out), "--max-steps", "3", "--per-device-generation-batch-size", "4",
+                   "--per-device-train-batch-size", "2", "--actor-learning-rate", "1e-3", "--max-eval-rows", "8",
+                   "--no-progress", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_json(out / "args.json")["world_size"] == 2
+    ev = read_json(out / "eval.json")
+    assert ev["steps"] == 3 and ev["eval_pairs_after"] == 8  # both ranks' shards, gathered
+    assert ev["implicit_accuracy_before"] == pytest.approx(0.5) and ev["implicit_margin_after"] != 0.0
+    assert _moved(out) > 0.5  # the saved actor (gathered from ZeRO-3 shards) is the trained one
