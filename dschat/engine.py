@@ -8,6 +8,7 @@ helpers and rank queries. Other modules call these functions and never import de
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import os
@@ -39,9 +40,32 @@ def setup_distributed() -> None:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ[key] = value
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with _without_shm_comm_op():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op() -> Iterator[None]:
+    """DeepSpeed's communication wrapper JIT-compiles its CPU shared-memory all-reduce op
+    (``deepspeed_shm_comm``: about a minute of two cores, once per ``TORCH_EXTENSIONS_DIR``) whenever it is
+    created on a CPU machine, for any world size. That op serves only ``inference_all_reduce``, the all-reduce of
+    DeepSpeed-Inference's tensor parallelism (AutoTP), which dschat never calls; training collectives (ZeRO
+    gathers, gradient all-reduce) and ours go through ``torch.distributed`` (gloo) either way, and a world of one
+    communicates nothing. So the wrapper is created without it: same results, no compiler at start-up. On CUDA
+    DeepSpeed has no such op, and this changes nothing."""
+    # By module name: the attribute ``deepspeed.comm.torch`` is PyTorch itself (deepspeed.comm imports torch).
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(ds_torch, "build_shm_op", None)
+    if build is None:  # another DeepSpeed layout: leave it alone
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
 
 
 def teardown_distributed() -> None:
