@@ -35,7 +35,15 @@ from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.evaluation import eval_scalars, source_summary, summarize
 from dschat.rlhf.scoring import RM, build_scorer
-from dschat.stage import EpochStream, Interrupted, begin_stage, check_finite, eval_loader, stop_after_step, train_loader
+from dschat.stage import (
+    EpochStream,
+    Interrupted,
+    begin_stage,
+    check_finite,
+    eval_loader,
+    stop_after_step,
+    train_loader,
+)
 from dschat.tracking import RunTracker, write_eval
 
 
@@ -69,7 +77,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     if ema is not None and resume_from is not None:
         if "ema" not in tensors:
             raise UserError(f"{resume_from}: saved without --enable-ema; resume without it or start over")
-        ema.state = tensors["ema"]
+        ema.load_full_state(tensors["ema"])
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
     if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
@@ -94,7 +102,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             # DeepSpeed checkpoints hold no partial gradients: a state is only exact at an optimizer step.
             stage.log(f"no state at update {step}: it ends inside a gradient-accumulation window")
             return None
-        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.state} if ema is not None else {})}
+        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
         return ckpt.save(step, {"prompt_batches": stream.consumed, **algo.state(),
                                 "dropped_short_answers": dropped_total, "before": before}, tensors=extra)
 
@@ -128,7 +136,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     for name, engine in models.trained.items():
         save_hf(engine, tok, stage.output_dir / name)
     if ema is not None:
-        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.state)
+        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.full_state())
     metrics = {"algo": rl.algo, **summarize(before, after), "steps": step, "dropped_short_answers": dropped_total,
                **data.counts, "sources": data.sources, **algo.summary(before, after)}
     if scorer is not None and scorer.mixer.names != [RM]:  # per-source means when there is more than the reward model
