@@ -22,6 +22,7 @@ import torch
 from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
+from dschat.data.packing import packed_inputs, unpack
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
 from dschat.reward_model import RewardModel
 from dschat.stage import EvalLoader, lockstep_batches, to_device
@@ -63,6 +64,14 @@ def reward_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], rm_loss: s
         return last_token_pairwise_loss(scores[:b], scores[b:], batch.get("margin"), center_coef)
     return pairwise_loss(values[:b], values[b:], chosen["input_ids"], rejected["input_ids"],
                          chosen["attention_mask"], rejected["attention_mask"])
+
+
+def reward_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Per-token values ``(2B, T)`` of a ``DataCollatorReward`` batch: the model runs on the packed sequences of a
+    ``--packing`` batch, whose values are then laid out as the right-padded view the losses read."""
+    if "packed_index" in batch:
+        return unpack(model(**packed_inputs(model, batch, "packed_")), batch["packed_index"])
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
 
 def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -25,6 +25,7 @@ from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
+from dschat.data.packing import real_tokens, sft_inputs
 from dschat.demo import demo_data
 from dschat.models import create_causal_lm
 from dschat.stage import lockstep_batches, to_device
@@ -57,10 +58,10 @@ def evaluate_perplexity(model: Any, loader: Any) -> dict[str, float]:
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
-        loss = engine(**batch, use_cache=False).loss
+        loss = engine(**sft_inputs(engine, batch), use_cache=False).loss  # packed (--packing) or padded rows
         engine.backward(loss)
         engine.step()
-        return {"loss": loss.item(), "tokens": float(batch["attention_mask"].sum())}
+        return {"loss": loss.item(), "tokens": float(real_tokens(batch))}
 
     spec = OneModelStage(
         name="step1_sft", phase=1, collator=DataCollatorSFT, default_data=demo_data, evaluate=evaluate_perplexity,

@@ -29,7 +29,7 @@ from dschat.data import DataCollatorReward
 from dschat.demo import demo_data
 from dschat.losses import pairwise_metrics
 from dschat.models import create_reward_model
-from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss, stats_sample
+from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss, reward_values, stats_sample
 from dschat.stage import eval_loader
 from dschat.supervised import OneModelStage, train_one_model
 from dschat.tracking import write_eval
@@ -51,7 +51,7 @@ def make_model(cfg: RewardConfig, path: str, dtype: torch.dtype, tokenizer: Any)
 
 def run(cfg: RewardConfig) -> dict[str, Any]:
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
-        values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        values = reward_values(engine, batch)  # (2B, T), packed (--packing) or not
         out = reward_loss(values, batch, cfg.reward.rm_loss, cfg.reward.rm_center_coef)
         engine.backward(out.loss)
         engine.step()
