@@ -182,3 +182,37 @@ def test_stage_runs_with_packed_or_grouped_batches(tmp_path, flag):
     assert len(tokens) == 12
     rm = run(build_config(RewardConfig, {**common, "output_dir": str(tmp_path / "rm"), "max_steps": 8}))
     assert rm["accuracy"] > rm["accuracy_before"] and rm["train_loss_last"] < rm["train_loss_first"]
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama_sp", "qwen2", "gpt2", "opt", "llama3", "mistral", "gemma2"])
+def test_packed_logits_equal_padded_ones_in_every_family(family_dir, family):
+    """Every family of tests/families.py, sdpa and eager: the packed rows' logits are the padded rows' logits
+    (OPT, for one, builds its mask without the position ids, so the explicit 4-D mask is what keeps rows apart)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import build_family
+
+    path = build_family(family, family_dir)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(5, 60, (n,), generator=g).tolist()} for n in (9, 4, 13)]
+    for r in rows:
+        r["labels"] = r["input_ids"]
+    collator = DataCollatorSFT(0)
+    padded, packed = collator(rows), collator.packed()(pack_rows(rows, 40, collator.pack_length))
+    assert packed["input_ids"].shape == (1, 26)  # one sequence: best-fit decreasing puts 13, then 9, then 4
+    for attention in ("sdpa", "eager") if family != "gemma2" else ("eager",):  # Gemma-2 has no sdpa path
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, dtype=torch.float32).eval()
+        with torch.no_grad():
+            a = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+            b = model(**{k: v for k, v in sft_inputs(model, packed).items() if k != "labels"}).logits[0]
+        at = 0
+        for i in (2, 0, 1):  # the packed order: 13, 9, 4 tokens
+            n = len(rows[i]["input_ids"])
+            torch.testing.assert_close(b[at: at + n], a[i, :n], atol=1e-5, rtol=1e-5)
+            at += n
