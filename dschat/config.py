@@ -60,9 +60,20 @@ class DataArgs:
     eval_fraction: float = arg(0.05, "Held-out fraction for evaluation when a dataset has no test split.", low=0)
     max_eval_rows: int = arg(400, "Cap on evaluation rows per stage (0 = no cap).", low=0)
     mask_prompt: bool = arg(True, "Mask prompt tokens out of the SFT loss.")
+    packing: bool = arg(False, "Pack several training rows into each sequence (SFT rows up to --max-seq-len tokens; "
+                               "the reward model and DPO pack whole pairs, up to twice that), position ids "
+                               "restarting and attention kept within each row: no padding, the same per-row "
+                               "losses. --per-device-train-batch-size then counts packed sequences (DPO: "
+                               "--per-device-generation-batch-size too). Evaluation keeps one row per sequence.")
+    group_by_length: bool = arg(False, "Batch training rows of similar length together, so little padding is left "
+                                       "(one row per sequence; the cheap alternative to --packing).")
     judge_system_prompt: str = arg("", "File whose text opens every judge-pairwise row (context_messages + winner) "
                                        "that has no system message, as its system message (an RM-R1 rubric); "
                                        "rows with their own keep it.")
+
+    def inert_fields(self) -> dict[str, str]:
+        return {"group_by_length": "with {packing} (packed sequences are filled to the same length)"} \
+            if self.packing else {}
 
 
 @dataclass

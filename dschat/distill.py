@@ -15,6 +15,7 @@ import torch
 
 from dschat import engine as E
 from dschat.config import EngineArgs, KDArgs
+from dschat.data.packing import sft_inputs
 from dschat.errors import UserError
 from dschat.losses import DistillSFTLossOutput, distill_sft_loss
 from dschat.models import create_causal_lm, load_tokenizer, resolve_saved_model, same_tokenizer
@@ -46,9 +47,10 @@ class Distiller:
                                            offload=self.engine_args.offload, dtype=dtype)
 
     def loss(self, student: Any, batch: dict[str, Any]) -> DistillSFTLossOutput:
-        """The mixed loss of one SFT micro-batch (``input_ids``, ``attention_mask``, ``labels``)."""
-        logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        """The mixed loss of one SFT micro-batch (``input_ids``, ``attention_mask``, ``labels``; or packed rows)."""
+        inputs = {k: v for k, v in sft_inputs(student, batch).items() if k != "labels"}
+        logits = student(**inputs, use_cache=False).logits
         with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                          use_cache=False).logits
+            inputs = {k: v for k, v in sft_inputs(self.teacher, batch).items() if k != "labels"}
+            teacher_logits = self.teacher(**inputs, use_cache=False).logits
         return distill_sft_loss(logits, teacher_logits, batch["labels"], self.kd.kd_coef, self.kd.kd_temperature)

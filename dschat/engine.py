@@ -8,10 +8,12 @@ helpers and rank queries. Other modules call these functions and never import de
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,32 @@ def setup_distributed() -> None:
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ[key] = value
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with _without_shm_comm_op():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op() -> Iterator[None]:
+    """DeepSpeed's communication wrapper JIT-compiles its CPU shared-memory all-reduce op
+    (``deepspeed_shm_comm``: about a minute of two cores, once per ``TORCH_EXTENSIONS_DIR``) whenever it is
+    created on a CPU machine, for any world size. That op serves only ``inference_all_reduce``, the all-reduce of
+    DeepSpeed-Inference's tensor parallelism (AutoTP), which dschat never calls; training collectives (ZeRO
+    gathers, gradient all-reduce) and ours go through ``torch.distributed`` (gloo) either way, and a world of one
+    communicates nothing. So the wrapper is created without it: same results, no compiler at start-up. On CUDA
+    DeepSpeed has no such op, and this changes nothing."""
+    # By module name: the attribute ``deepspeed.comm.torch`` is PyTorch itself (deepspeed.comm imports torch).
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    build = getattr(ds_torch, "build_shm_op", None)
+    if build is None:  # another DeepSpeed layout: leave it alone
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
 
 
 def teardown_distributed() -> None:
@@ -315,6 +340,69 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     if is_main():
         state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     return state
+
+
+@dataclass
+class Shard:
+    """This rank's share of one tensor of a model's state: elements ``[start, start + live.numel())`` of the
+    flattened tensor, ``live`` a view of them (no copy). Tensors are cut into ``world`` contiguous pieces of
+    ``ceil(numel / world)`` elements, rank order, the last one short: ZeRO-3's own partitioning, used for
+    every tensor, so a ZeRO-3 parameter's share is a view of its partition (``ds_tensor``)."""
+
+    live: torch.Tensor  # (n,) this rank's elements
+    start: int
+    shape: torch.Size  # the whole tensor's
+    dtype: torch.dtype
+    world: int
+    group: Any = None  # the process group the pieces are spread over (None: the world)
+
+
+def own_shards(model: Any) -> dict[str, Shard]:
+    """This rank's share of every tensor of ``full_state_dict(model)`` (same names), without communication:
+    per-rank work on a model's state (an average of its weights, say) then costs 1/world of the model, and
+    ``gather_shards`` assembles the result only when it is needed."""
+    module = unwrap(model)
+    shards: dict[str, Shard] = {}
+    if is_zero3_partitioned(module):
+        for name, p in module.named_parameters():
+            world = dist.get_world_size(group=p.ds_process_group)
+            size = p.ds_tensor.ds_numel  # ceil(numel / world): the partition, padded on the last rank
+            start = dist.get_rank(group=p.ds_process_group) * size
+            n = max(0, min(size, p.ds_numel - start))
+            shards[name] = Shard(p.ds_tensor.detach().view(-1)[:n], start, p.ds_shape, p.dtype, world,
+                                 p.ds_process_group)
+        persistent = set(module.state_dict().keys())
+        tensors = {n: b for n, b in module.named_buffers() if n in persistent}  # buffers are not partitioned
+    else:
+        tensors = module.state_dict(keep_vars=True)
+    for name, t in tensors.items():
+        world, numel = world_size(), t.numel()
+        size = -(-numel // world)
+        start = min(rank() * size, numel)
+        shards[name] = Shard(t.detach().reshape(-1)[start: min(start + size, numel)], start, t.shape, t.dtype,
+                             world)
+    return shards
+
+
+def gather_shards(parts: dict[str, torch.Tensor], layout: dict[str, Shard],
+                  as_model: bool = True) -> dict[str, torch.Tensor]:
+    """Whole CPU tensors on rank 0 (``{}`` elsewhere) from every rank's ``parts`` laid out as ``layout``
+    (``own_shards``), each in its model tensor's dtype (``as_model``) or in the parts' own. Collective: call on
+    every rank."""
+    out: dict[str, torch.Tensor] = {}
+    for name, part in parts.items():
+        s = layout[name]
+        numel = s.shape.numel()
+        whole = part
+        if s.world > 1:
+            padded = torch.zeros(-(-numel // s.world), dtype=part.dtype, device=device())
+            padded[: part.numel()] = part
+            pieces = [torch.empty_like(padded) for _ in range(s.world)]
+            dist.all_gather(pieces, padded, group=s.group)
+            whole = torch.cat(pieces)[:numel]
+        if is_main():
+            out[name] = whole.view(s.shape).to(device="cpu", dtype=s.dtype if as_model else part.dtype, copy=True)
+    return out
 
 
 def consolidated_checkpoint_state(engine_dir: str | os.PathLike[str], tag: str) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dschat import engine as E
-from dschat.config import OptimArgs, RunArgs, to_flat_dict
+from dschat.config import DataArgs, OptimArgs, RunArgs, to_flat_dict
+from dschat.data.packing import LengthGroupedSampler, pack_rows
 from dschat.errors import UserError
 from dschat.lock import claim_output_dir
 from dschat.models import TINY
@@ -90,6 +91,19 @@ def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> 
     # (which restores the global RNG mid-epoch) would diverge from an uninterrupted one.
     return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def training_loader(rows: list[Any], batch_size: int, collator: Any, seed: int, data: DataArgs) -> DataLoader:
+    """``train_loader`` with the batching ``data`` asks for: ``--packing`` (the rows packed once into sequences
+    of ``collator.pack_capacity(--max-seq-len)`` tokens, batched by ``collator.packed()``; ``batch_size`` counts
+    sequences) or ``--group-by-length`` (batches of rows of similar ``collator.width``)."""
+    if data.packing:
+        packs = pack_rows(rows, collator.pack_capacity(data.max_seq_len), collator.pack_length)
+        return train_loader(packs, batch_size, collator.packed(), seed)
+    if data.group_by_length:
+        sampler = LengthGroupedSampler([collator.width(r) for r in rows], batch_size, E.world_size(), E.rank(), seed)
+        return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False)
+    return train_loader(rows, batch_size, collator, seed)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from dschat import engine as E
 from dschat.data import PhaseData, load_phase
+from dschat.data.packing import check_packing
 from dschat.devices import resolve_dtype
 from dschat.lora import lora_param_groups
 from dschat.models import load_tokenizer, resolve_model
@@ -27,7 +28,7 @@ from dschat.stage import (
     eval_loader,
     learning_rate,
     plan_steps,
-    train_loader,
+    training_loader,
 )
 from dschat.tracking import RunTracker
 
@@ -82,19 +83,22 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     if spec.prepare is not None:
         spec.prepare(model_path, tokenizer, dtype)
     collator = spec.collator(tokenizer.pad_token_id)
-    loader = train_loader(data.train, cfg.optim.per_device_train_batch_size, collator, cfg.run.seed)
+    loader = training_loader(data.train, cfg.optim.per_device_train_batch_size, collator, cfg.run.seed, cfg.data)
     evals = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, collator)
     total_steps, epochs = plan_steps(len(loader), cfg.optim)
 
     model = spec.make_model(model_path, dtype, tokenizer)
+    if cfg.data.packing:
+        check_packing(model, cfg.data.max_seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     lr = learning_rate(cfg.optim, cfg.model.model, n_params)
     engine = E.build_train_engine(model, engine=cfg.engine, optim=cfg.optim, dtype=dtype, total_steps=total_steps,
                                   lr=lr, param_groups=lora_param_groups(model, cfg.optim.weight_decay, lr,
                                                                         cfg.lora.lora_learning_rate))
-    stage.log(f"model {model_path} | {n_params / 1e6:.2f}M params{spec.describe} | train rows {len(data.train)} "
-              f"eval rows {len(data.eval)} | {total_steps} optimizer steps | lr {lr:g} | ZeRO {cfg.engine.zero_stage} "
-              f"| world {E.world_size()}")
+    packed = f" packed into {len(loader.dataset)} sequences" if cfg.data.packing else ""  # type: ignore[arg-type]
+    stage.log(f"model {model_path} | {n_params / 1e6:.2f}M params{spec.describe} | train rows {len(data.train)}"
+              f"{packed} eval rows {len(data.eval)} | {total_steps} optimizer steps | lr {lr:g} | ZeRO "
+              f"{cfg.engine.zero_stage} | world {E.world_size()}")
 
     def evaluation() -> dict[str, Any]:
         return spec.evaluate(engine, evals) if data.eval else {}

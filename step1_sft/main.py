@@ -26,6 +26,7 @@ from dschat.checkpoint import save_hf
 from dschat.cli import run_command, stage_command
 from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
+from dschat.data.packing import real_tokens, sft_inputs
 from dschat.demo import demo_data
 from dschat.distill import Distiller
 from dschat.models import create_causal_lm
@@ -40,14 +41,14 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
         stats: dict[str, float] = {}
         if distiller is None:
-            loss = engine(**batch, use_cache=False).loss
+            loss = engine(**sft_inputs(engine, batch), use_cache=False).loss  # packed (--packing) or padded rows
         else:  # (1 - a) * CE + a * T^2 * KL(teacher || student) over the answer tokens
             out = distiller.loss(engine, batch)
             loss = out.loss
             stats = {"ce": out.ce.item(), "kd": out.kd.item(), "top1_agreement": out.top1_agreement.item()}
         engine.backward(loss)
         engine.step()
-        return {"loss": loss.item(), **stats, "tokens": float(batch["attention_mask"].sum())}
+        return {"loss": loss.item(), **stats, "tokens": float(real_tokens(batch))}
 
     spec = OneModelStage(
         name="step1_sft", phase=1, collator=DataCollatorSFT, default_data=demo_data, micro_step=micro_step,

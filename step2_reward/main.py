@@ -6,8 +6,8 @@
 
 Reads top to bottom: the model, the loss of one micro-batch, the shared one-model loop (``dschat.supervised``),
 then save and report. The saved ``model/`` folder loads with ``AutoModelForSequenceClassification`` and carries
-``reward_mean``/``reward_std`` (of all eval end scores after training) in its config for reward normalisation in
-stage 3.
+``reward_mean``/``reward_std`` (of all eval end scores after training; without eval pairs, of an evenly spaced
+64-pair sample of the training pairs) in its config for reward normalisation in stage 3.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dschat.data import DataCollatorReward
 from dschat.demo import demo_data
 from dschat.losses import pairwise_metrics
 from dschat.models import create_reward_model
-from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss
+from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss, reward_values, stats_sample
 from dschat.stage import eval_loader
 from dschat.supervised import OneModelStage, train_one_model
 from dschat.tracking import write_eval
@@ -51,7 +51,7 @@ def make_model(cfg: RewardConfig, path: str, dtype: torch.dtype, tokenizer: Any)
 
 def run(cfg: RewardConfig) -> dict[str, Any]:
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
-        values = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        values = reward_values(engine, batch)  # (2B, T), packed (--packing) or not
         out = reward_loss(values, batch, cfg.reward.rm_loss, cfg.reward.rm_center_coef)
         engine.backward(out.loss)
         engine.step()
@@ -68,8 +68,9 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
         if cfg.reward.rm_loss == "pairwise" and any("margin" in r for r in data.train) else None)
     t = train_one_model(cfg, spec)
     before, after = t.before, t.after
-    # Stage 3 normalises rewards by these; without held-out pairs, score (up to max_eval_rows) training pairs.
-    stats = after or evaluate_reward(t.engine, eval_loader(t.data.train[: cfg.data.max_eval_rows or None],
+    # Stage 3 normalises rewards by these: the eval pairs' scores just computed; without held-out pairs, a small
+    # evenly spaced sample of training pairs (reward_eval.STATS_PAIRS), not a second pass over the data.
+    stats = after or evaluate_reward(t.engine, eval_loader(stats_sample(t.data.train),
                                                            cfg.optim.per_device_eval_batch_size, t.collator)).as_dict()
     save_hf(t.engine, t.tokenizer, t.stage.output_dir / "model",
             config_updates={"reward_mean": stats["score_mean"], "reward_std": stats["score_std"]})
@@ -77,7 +78,8 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     for key in EVAL_KEYS:
         metrics[key], metrics[f"{key}_before"] = after.get(key), before.get(key)
     metrics.update({
-        "reward_mean": stats["score_mean"], "reward_std": stats["score_std"], "eval_pairs": after.get("pairs", 0),
+        "reward_mean": stats["score_mean"], "reward_std": stats["score_std"], "reward_stats_pairs": stats["pairs"],
+        "eval_pairs": after.get("pairs", 0),
         "eval_ties": after.get("ties", 0), "train_loss_first": t.first_loss, "train_loss_last": t.last_loss,
         "steps": t.steps, "learning_rate": t.lr, "rm_loss": cfg.reward.rm_loss, "seconds": round(t.seconds, 1),
         **t.data.counts, "sources": t.data.sources,

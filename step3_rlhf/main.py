@@ -36,7 +36,15 @@ from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.evaluation import eval_scalars, source_summary, summarize
 from dschat.rlhf.scoring import RM, build_scorer
-from dschat.stage import EpochStream, Interrupted, begin_stage, check_finite, eval_loader, stop_after_step, train_loader
+from dschat.stage import (
+    EpochStream,
+    Interrupted,
+    begin_stage,
+    check_finite,
+    eval_loader,
+    stop_after_step,
+    training_loader,
+)
 from dschat.tracking import RunTracker, write_eval
 
 
@@ -50,7 +58,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                           default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as)
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
     collator = Algo.collator(tok.pad_token_id)  # prompts (PPO, GRPO) or pairs (DPO)
-    prompts = train_loader(data.train, rl.per_device_generation_batch_size, collator, cfg.run.seed)
+    prompts = training_loader(data.train, rl.per_device_generation_batch_size, collator, cfg.run.seed, d)
     evals = eval_loader(data.eval, o.per_device_eval_batch_size, collator)
     per_epoch, micro_per_update = Algo.plan(cfg, len(prompts))
     total_updates = o.max_steps if o.max_steps > 0 else per_epoch * o.num_train_epochs  # the stream cycles epochs
@@ -70,7 +78,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     if ema is not None and resume_from is not None:
         if "ema" not in tensors:
             raise UserError(f"{resume_from}: saved without --enable-ema; resume without it or start over")
-        ema.state = tensors["ema"]
+        ema.load_full_state(tensors["ema"])
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
     if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
@@ -95,7 +103,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             # DeepSpeed checkpoints hold no partial gradients: a state is only exact at an optimizer step.
             stage.log(f"no state at update {step}: it ends inside a gradient-accumulation window")
             return None
-        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.state} if ema is not None else {})}
+        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
         return ckpt.save(step, {"prompt_batches": stream.consumed, **algo.state(),
                                 "dropped_short_answers": dropped_total, "before": before}, tensors=extra)
 
@@ -129,7 +137,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     for name, engine in models.trained.items():
         save_hf(engine, tok, stage.output_dir / name)
     if ema is not None:
-        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.state)
+        save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.full_state())
     metrics = {"algo": rl.algo, **summarize(before, after), "steps": step, "dropped_short_answers": dropped_total,
                **data.counts, "sources": data.sources, **algo.summary(before, after)}
     if scorer is not None and scorer.mixer.names != [RM]:  # per-source means when there is more than the reward model

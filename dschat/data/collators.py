@@ -3,6 +3,10 @@
 * ``DataCollatorSFT``: right-padded ``input_ids``/``attention_mask``/``labels`` (labels padded with -100).
 * ``DataCollatorReward``: the B chosen sequences first, then the B rejected ones: ``(2B, L)``, right-padded.
 * ``DataCollatorRLHF``: left-padded prompts, so that generation starts at the same column for every row.
+
+The SFT and pair collators also say how their rows are batched under ``--packing`` and ``--group-by-length``
+(``dschat.data.packing``): a unit's packed length, the packed sequence's capacity, the packed collator, and the
+padded width length grouping compares.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from dschat.data.packing import PackedPairsCollator, PackedSFTCollator, pair_length, pair_width, sft_length
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right",
@@ -42,6 +48,16 @@ class DataCollatorSFT:
         labels, _ = pad_sequences([r["labels"] for r in rows], -100, "right", self.multiple_of)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
+    pack_length = staticmethod(sft_length)
+    width = staticmethod(sft_length)
+
+    @staticmethod
+    def pack_capacity(max_seq_len: int) -> int:
+        return max_seq_len
+
+    def packed(self) -> PackedSFTCollator:
+        return PackedSFTCollator(self.pad_token_id)
+
 
 class DataCollatorReward:
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
@@ -55,6 +71,16 @@ class DataCollatorReward:
         if any("margin" in r for r in rows):
             batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows])
         return batch
+
+    pack_length = staticmethod(pair_length)  # a pair is packed whole: chosen, then rejected
+    width = staticmethod(pair_width)
+
+    @staticmethod
+    def pack_capacity(max_seq_len: int) -> int:
+        return 2 * max_seq_len  # a pair of two longest rows still fits one sequence
+
+    def packed(self) -> PackedPairsCollator:
+        return PackedPairsCollator(self)
 
 
 class DataCollatorRLHF:

@@ -25,6 +25,7 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.config import arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
+from dschat.data.packing import check_packing, packed_inputs, unpacked_rows
 from dschat.errors import UserError
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
@@ -90,6 +91,22 @@ def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     target = torch.arange(1, input_ids.shape[1], device=input_ids.device)  # (L-1,) position of each target token
     answer = (target.unsqueeze(0) >= prompt_len.unsqueeze(1)) & attention_mask[:, 1:].bool()  # (N, L-1)
     return (logps * answer).sum(-1), answer.sum(-1)
+
+
+def packed_sequence_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logps`` of a ``--packing`` batch (``PackedPairsCollator``): the model runs on the packed
+    sequences ``(S, W)``; each answer token's log-prob is summed into its row of the ``(2B,)`` chosen-first view."""
+    ids, row, pos = batch["packed_input_ids"], batch["packed_row"], batch["packed_position_ids"]
+    logits = model(**packed_inputs(model, batch, "packed_"), use_cache=False).logits
+    logps = L.selective_log_softmax(logits[:, :-1].float(), ids[:, 1:])  # (S, W-1): token t+1 given <= t
+    target = row[:, 1:]  # (S, W-1) the view row of each target token (-1: padding)
+    # an answer token of the same row as the token before it (a row's first token follows another row)
+    answer = (target >= 0) & (target == row[:, :-1]) & (pos[:, 1:] >= batch["prompt_len"][target.clamp(min=0)])
+    n = batch["input_ids"].shape[0]
+    sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, target[answer], logps[answer])
+    lengths = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(
+        0, target[answer], torch.ones_like(target[answer]))
+    return sums, lengths
 
 
 def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
@@ -215,6 +232,9 @@ class DPO:
         self.cfg, self.a, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.dpo, models, hybrid, scorer, gen
         self.ema = ema
         self.reference_ready = models.ref is None
+        self.packed_collate = DataCollatorPairs(models.tokenizer.pad_token_id).packed()  # --packing micro-batches
+        if cfg.data.packing:
+            check_packing(models.actor, cfg.data.max_seq_len)
 
     def describe(self) -> str:
         a = self.a
@@ -248,17 +268,24 @@ class DPO:
     def step(self, stream: EpochStream) -> tuple[dict[str, float], int]:
         """One update: the next batch of pairs, in micro-batches of the chosen DPO loss. Returns its metrics."""
         if not self.reference_ready:
-            self.compute_reference(stream.loader.dataset)  # type: ignore[arg-type]
-        t0, actor = time.time(), self.models.actor
+            self.compute_reference(unpacked_rows(stream.loader.dataset))  # type: ignore[arg-type]
+        t0, actor, size = time.time(), self.models.actor, self.cfg.optim.per_device_train_batch_size
         b = to_device(next(stream), E.device())
         B = b["input_ids"].shape[0] // 2
         sums: dict[str, float] = {}
-        chunks = torch.arange(B, device=b["input_ids"].device).split(self.cfg.optim.per_device_train_batch_size)
-        for idx in chunks:
-            rows = torch.cat([idx, idx + B])  # the chunk's chosen rows, then its rejected rows
-            ref = b["ref_logps"][rows] if "ref_logps" in b else None
-            logps, lengths = sequence_logps(actor, b["input_ids"][rows], b["attention_mask"][rows],
-                                            b["prompt_len"][rows])
+        if "packs" in b:  # --packing: micro-batches of `size` packed sequences
+            chunks = [to_device(self.packed_collate(b["packs"][i: i + size]), E.device())
+                      for i in range(0, len(b["packs"]), size)]
+        else:  # micro-batches of `size` pairs: a chunk's chosen rows, then its rejected rows
+            chunks = [torch.cat([idx, idx + B]) for idx in torch.arange(B, device=b["input_ids"].device).split(size)]
+        for chunk in chunks:
+            if isinstance(chunk, dict):
+                ref = chunk.get("ref_logps")
+                logps, lengths = packed_sequence_logps(actor, chunk)
+            else:
+                ref = b["ref_logps"][chunk] if "ref_logps" in b else None
+                logps, lengths = sequence_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
+                                                b["prompt_len"][chunk])
             out = pair_loss(self.a, logps, lengths, ref)
             step_actor(actor, out.loss, self.ema)
             for k, v in pair_stats(out, logps, ref).items():

@@ -21,7 +21,10 @@ class OnPolicy:
 
     @staticmethod
     def inert_flags(cfg: Any) -> dict[str, str]:
-        return {}
+        # Training rows are the policy's own samples, batched by the algorithm: the data flags that shape training
+        # batches of dataset rows have nothing to act on.
+        why = f"with --algo {cfg.rl.algo} (it trains on its own samples, not on dataset rows)"
+        return {"packing": why, "group_by_length": why}
 
     def evaluate(self, loader: Any) -> dict[str, Any]:
         return evaluate(self.models, self.hybrid, loader, self.gen, self.cfg.rl.temperature, self.cfg.run.seed,

@@ -113,6 +113,9 @@ def test_per_model_flags_come_from_one_prefixed_declaration():
     ({"actor_lora_alpha": 8.0}, "--actor-lora-alpha has no effect without --actor-lora-dim > 0"),
     ({"judge_max_new_tokens": 8}, "--judge-max-new-tokens has no effect without the reward source 'judge'"),
     ({"ema_decay": 0.9}, "--ema-decay has no effect without --enable-ema"),
+    ({"packing": True}, "--packing has no effect with --algo ppo"),
+    ({"algo": "grpo", "group_by_length": True}, "--group-by-length has no effect with --algo grpo"),
+    ({"algo": "dpo", "packing": True, "group_by_length": True}, "--group-by-length has no effect with --packing"),
 ])
 def test_flags_without_effect_in_the_chosen_mode_are_refused(values, needle):
     from dschat.config import refuse_inert
@@ -131,11 +134,17 @@ def test_given_flags_that_do_act_pass():
     for values in ({"algo": "grpo", "beta": 0.0, "loss_type": "dapo", "overlong_buffer": 4},
                    {"kl_ctl": 0.2, "critic_lora_dim": 8, "critic_lora_alpha": 4.0, "reward_model": "r"},
                    {"algo": "grpo", "reward_funcs": ["judge"], "judge_model": "j", "judge_max_new_tokens": 3},
-                   {"enable_ema": True, "ema_decay": 0.9}):
+                   {"enable_ema": True, "ema_decay": 0.9}, {"algo": "dpo", "packing": True},
+                   {"algo": "dpo", "group_by_length": True}):
         refuse_inert(build_config(RLHFConfig, values), set(values))
     with pytest.raises(UserError, match="--lora-alpha has no effect without --lora-dim > 0"):
         refuse_inert(build_config(SFTConfig, {"lora_alpha": 4.0}), {"lora_alpha"})
     refuse_inert(build_config(SFTConfig, {"lora_alpha": 4.0, "lora_dim": 2}), {"lora_alpha", "lora_dim"})
+    for given in ({"packing": True}, {"group_by_length": True}):
+        refuse_inert(build_config(SFTConfig, given), set(given))
+    with pytest.raises(UserError, match="--group-by-length has no effect with --packing"):
+        both = {"packing": True, "group_by_length": True}
+        refuse_inert(build_config(SFTConfig, both), set(both))
 
 
 @pytest.mark.parametrize("values,needle", [

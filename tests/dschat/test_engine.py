@@ -75,3 +75,17 @@ def test_train_engine_steps_and_full_state_dict(stage):
         out = E.unwrap(eng).generate(x[:, :3], attention_mask=torch.ones_like(x[:, :3]), max_new_tokens=4,
                                      do_sample=False)
     assert out.shape == (2, 7)
+
+
+def test_a_one_process_run_builds_no_deepspeed_op(tmp_path):
+    """DeepSpeed's comm wrapper JIT-compiles its CPU shared-memory all-reduce op when it is created (about a
+    minute of two cores per extensions folder); no run of ours uses it, so a fresh folder must stay empty."""
+    from tests.helpers import run_cli
+
+    ext = tmp_path / "torch_extensions"
+    proc = run_cli("train", "--step", "1", "--model", "tiny", "--zero-stage", "3", "--max-steps", "1",
+                   "--max-eval-rows", "16", "--output-dir", str(tmp_path / "out"), "--no-progress",
+                   env={"TORCH_EXTENSIONS_DIR": str(ext)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not ext.exists() or not any(ext.iterdir()), sorted(p.name for p in ext.iterdir())
+    assert "shm_comm" not in proc.stdout + proc.stderr

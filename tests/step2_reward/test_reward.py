@@ -131,6 +131,40 @@ def test_saved_model_loads_with_auto_class_and_scores_the_same(trained, demo_row
     assert AutoConfig.from_pretrained(out / "model").num_labels == 1
 
 
+def test_stats_sample_is_capped_and_spans_the_rows():
+    from dschat.reward_eval import stats_sample
+
+    rows = [{"i": i} for i in range(200)]
+    sample = [r["i"] for r in stats_sample(rows, 64)]
+    # every 200/64 = 3.125th row: 0, 3, 6, 9, 12, 15, 18, 21, 25, ...; the last is floor(63 * 200 / 64) = 196
+    assert len(sample) == 64 == len(set(sample))
+    assert sample[:9] == [0, 3, 6, 9, 12, 15, 18, 21, 25] and sample[-1] == 196
+    assert [r["i"] for r in stats_sample(rows[:5], 64)] == [0, 1, 2, 3, 4]  # fewer rows than the cap: all
+
+
+def test_reward_stats_without_eval_rows_come_from_a_small_training_sample(tmp_path, trained):
+    """No held-out pairs: reward_mean/std are the saved model's end scores on STATS_PAIRS evenly spaced training
+    pairs (one short pass, not --max-eval-rows of them); with held-out pairs, the eval pairs' own scores."""
+    from dschat.config import DataArgs
+    from dschat.data import load_phase
+    from dschat.models import create_reward_model, load_tokenizer
+    from dschat.reward_eval import STATS_PAIRS, evaluate_reward, stats_sample
+
+    _, with_eval = trained
+    assert with_eval["reward_stats_pairs"] == with_eval["eval_pairs"] > 0
+
+    out = tmp_path / "noeval"
+    metrics = _reward_run(out, max_steps=2, eval_fraction=0.0)
+    assert metrics["eval_pairs"] == 0 and metrics["reward_stats_pairs"] == STATS_PAIRS
+    tok = load_tokenizer(str(out / "model"))
+    rows = load_phase(DataArgs(eval_fraction=0.0), 2, tok, 1234, log=lambda _: None, default_data=demo_data).train
+    assert len(rows) > STATS_PAIRS
+    rm = create_reward_model(str(out / "model"), pad_token_id=tok.pad_token_id)
+    ev = evaluate_reward(rm, eval_loader(stats_sample(rows), 16, DataCollatorReward(tok.pad_token_id)))
+    assert metrics["reward_mean"] == pytest.approx(ev.score_mean, abs=1e-5)
+    assert metrics["reward_std"] == pytest.approx(ev.score_std, abs=1e-5) and ev.score_std > 0
+
+
 def test_zero0_and_zero3_train_the_same(tmp_path, demo_rows):
     scores = []
     for stage in (0, 3):

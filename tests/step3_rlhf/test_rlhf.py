@@ -176,3 +176,35 @@ def test_ppo_two_ranks_actor_zero3_under_launcher(tmp_path):
 def test_stage3_takes_model_for_the_actor_as_every_stage_does(tmp_path):
     proc = run_cli("train", "--step", "3", "--model", "tiny", "--output-dir", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--reward-model" in proc.stderr and "No such option" not in proc.stderr
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ema_on_own_shards_equals_the_gathered_average(stage):
+    """Each rank averages its share in place; gathered at the end it is the former every-step-gathered average,
+    bit for bit, and a restored EMA (as --resume loads it) gives it back."""
+    from tests.step3_rlhf.ema_check import compare
+
+    r = compare(stage)
+    assert r["keys_equal"] and r["all_equal"] and r["restored_equal"], r
+    assert r["between"] >= r["tensors"] - 2, r  # every weight's average lies strictly between start and end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ema_on_two_ranks_equals_the_gathered_average(tmp_path, stage):
+    import os
+    import subprocess
+    import sys
+
+    from dschat.cli import launcher_argv
+    from tests.helpers import ROOT
+
+    out = tmp_path / "ema.json"
+    cmd = launcher_argv(str(ROOT / "tests" / "step3_rlhf" / "ema_check.py"), [str(stage), str(out)], 2, None, None)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = read_json(out)
+    assert r["world"] == 2 and r["keys_equal"] and r["restored_equal"], r
+    assert r["all_equal"], r
+    assert r["between"] >= r["tensors"] - 2, r

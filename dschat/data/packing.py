@@ -1,0 +1,259 @@
+"""Padding-free training batches: ``--packing`` and ``--group-by-length``.
+
+``--packing`` lays several training rows end to end in one sequence. Each row keeps its own position ids
+(0, 1, ... restarting at every row) and a block-diagonal causal attention mask, so no token ever attends to
+another row: the per-token logits, and hence every loss, are those of the rows trained one by one. The rows are
+put into sequences once, before training, by best-fit decreasing (``pack``): each sequence holds up to
+``capacity`` tokens (``--max-seq-len``; a pair stage packs whole pairs, chosen and rejected side by side, up to
+twice that), so a batch of ``--per-device-train-batch-size`` sequences is nearly all real tokens, where padding
+every row to the longest of its batch wastes the difference. The sequences are shuffled each epoch like rows.
+
+Stage 1 trains on the packed labels directly (the first label of every row is masked: it would be predicted
+from the previous row's last token). The pair stages (reward model, DPO) get both views from one collator: the
+packed sequences the model runs on, and the usual ``(2B, T)`` right-padded view their losses read, with
+``packed_index`` mapping each position of that view to its packed position (``unpack``). So the losses are
+unchanged code, and chosen/rejected stay distinguishable.
+
+``--group-by-length`` is the cheap alternative: rows stay one per sequence, but each batch takes rows of similar
+length (``LengthGroupedSampler``), so little padding is left; batches differ from the default shuffle's.
+
+Attention: the collators describe rows by ``segment_ids``; ``block_causal_mask`` turns those into the 4-D mask
+the model's attention implementation takes (boolean for sdpa, additive for eager). Flash-attention
+implementations take none: they find the rows from the restarting position ids (varlen).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from dschat.errors import UserError
+
+
+def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: the indices of ``lengths`` grouped into bins of total length <= ``capacity``.
+
+    Longest first, each into the fullest bin it still fits (a new bin when none); ties go to the lower index, so
+    the result depends on the lengths alone. A unit longer than ``capacity`` gets a bin of its own.
+    """
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        j = bisect.bisect_left(free, (n, -1))  # the bin with the least room that still fits n
+        if j < len(free):
+            room, b = free.pop(j)
+        else:
+            room, b = max(capacity, n), len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(free, (room - n, b))
+    return bins
+
+
+def pack_rows(rows: Sequence[dict[str, Any]], capacity: int,
+              length: Callable[[dict[str, Any]], int]) -> list[dict[str, Any]]:
+    """The rows in packs ``{"pack": [row, ...]}`` of at most ``capacity`` tokens (``length(row)`` each)."""
+    return [{"pack": [rows[i] for i in b]} for b in pack([length(r) for r in rows], capacity)]
+
+
+def block_causal_mask(segment_ids: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The attention mask ``(S, 1, W, W)`` of packed sequences ``(S, W)``: token q sees token k when k <= q and
+    both belong to the same row (``segment_ids`` equal). Boolean (True: attend) for sdpa, additive (0 or the
+    dtype's minimum) for eager; None for flash attention, which reads the rows from the position ids."""
+    if implementation.startswith("flash") or implementation == "flex_attention":
+        return None
+    width = segment_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal  # (S, W, W)
+    allowed = allowed.unsqueeze(1)
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
+
+
+def packed_inputs(model: Any, batch: dict[str, torch.Tensor], prefix: str = "") -> dict[str, Any]:
+    """``input_ids``, ``position_ids`` and ``attention_mask`` for ``model`` (its config's attention
+    implementation) from a packed batch's ``{prefix}input_ids/position_ids/segment_ids``."""
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # an engine's
+    implementation = getattr(module.config, "_attn_implementation", None) or "sdpa"
+    dtype = next(module.parameters()).dtype
+    return {"input_ids": batch[f"{prefix}input_ids"], "position_ids": batch[f"{prefix}position_ids"],
+            "attention_mask": block_causal_mask(batch[f"{prefix}segment_ids"], implementation, dtype)}
+
+
+def check_packing(model: Any, max_seq_len: int) -> None:
+    """Stop when ``model`` has sliding-window attention shorter than a row may be: one 4-D mask serves every layer
+    of a packed batch, so its sliding layers would see past their window (flash attention, which takes no mask,
+    keeps them; the check does not look at that)."""
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= max_seq_len or getattr(config, "use_sliding_window", True) is False:
+        return
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ["sliding_attention"]):
+        return
+    raise UserError(f"--packing: the model attends within a sliding window of {window} tokens, shorter than "
+                    f"--max-seq-len {max_seq_len}; lower --max-seq-len to {window} or train without --packing")
+
+
+def sft_inputs(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The causal LM's inputs (labels included) of an SFT batch, packed or not."""
+    if "segment_ids" in batch:
+        return {**packed_inputs(model, batch), "labels": batch["labels"]}
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The batch's tokens that are not padding."""
+    return int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["attention_mask"].sum())
+
+
+class _Layout:
+    """Where each token of each row goes in the packed ``(S, W)`` tensors."""
+
+    def __init__(self, seqs_per_pack: list[list[list[int]]], pad_token_id: int):
+        self.width = max(sum(len(s) for s in seqs) for seqs in seqs_per_pack)
+        n = len(seqs_per_pack)
+        self.input_ids = torch.full((n, self.width), pad_token_id, dtype=torch.long)
+        self.position_ids = torch.zeros((n, self.width), dtype=torch.long)
+        self.segment_ids = torch.zeros((n, self.width), dtype=torch.long)
+        self.starts: list[list[int]] = []  # per pack, where each of its sequences starts
+        for s, seqs in enumerate(seqs_per_pack):
+            at, starts = 0, []
+            for j, seq in enumerate(seqs):
+                starts.append(at)
+                self.input_ids[s, at: at + len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+                self.position_ids[s, at: at + len(seq)] = torch.arange(len(seq))
+                self.segment_ids[s, at: at + len(seq)] = j
+                at += len(seq)
+            # The padding tail is a segment of its own, positions from 0: no row attends to it (it comes after
+            # them) and it attends only to itself, so no query row of the mask is empty.
+            self.position_ids[s, at:] = torch.arange(self.width - at)
+            self.segment_ids[s, at:] = len(seqs)
+            self.starts.append(starts)
+        self.real = sum(len(s) for seqs in seqs_per_pack for s in seqs)
+
+
+class PackedSFTCollator:
+    """Packs of SFT rows -> ``input_ids``, ``labels``, ``position_ids``, ``segment_ids`` ``(S, W)`` and
+    ``num_tokens`` (the real tokens). Each row's first label is -100: the token before it is another row's."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, packs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lay = _Layout([[r["input_ids"] for r in p["pack"]] for p in packs], self.pad_token_id)
+        labels = torch.full_like(lay.input_ids, -100)
+        for s, p in enumerate(packs):
+            for at, r in zip(lay.starts[s], p["pack"], strict=True):
+                labels[s, at + 1: at + len(r["labels"])] = torch.as_tensor(r["labels"][1:], dtype=torch.long)
+        return {"input_ids": lay.input_ids, "labels": labels, "position_ids": lay.position_ids,
+                "segment_ids": lay.segment_ids, "num_tokens": torch.tensor(lay.real)}
+
+
+class PackedPairsCollator:
+    """Packs of pairs -> ``base``'s usual ``(2B, T)`` batch of their rows (B chosen, then B rejected: what the
+    losses read) plus the packed sequences the model runs on: ``packed_input_ids``, ``packed_position_ids``,
+    ``packed_segment_ids`` ``(S, W)``; ``packed_row`` ``(S, W)``, the row of the ``(2B, T)`` view each packed
+    token belongs to (-1: padding); ``packed_index`` ``(2B, T)``, the flat packed position of each position of
+    the view (0 on its padding, which the losses mask); and ``packs``, the packs themselves."""
+
+    def __init__(self, base: Any):
+        self.base = base
+
+    def __call__(self, packs: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = [r for p in packs for r in p["pack"]]
+        batch = self.base(rows)
+        b, width_view = len(rows), batch["input_ids"].shape[1]
+        lay = _Layout([[s for r in p["pack"] for s in (r["chosen_input_ids"], r["rejected_input_ids"])]
+                       for p in packs], self.base.pad_token_id)
+        row_of = torch.full_like(lay.input_ids, -1)
+        index = torch.zeros((2 * b, width_view), dtype=torch.long)
+        k = 0
+        for s, p in enumerate(packs):
+            for j, r in enumerate(p["pack"]):
+                for u, seq, at in ((k, r["chosen_input_ids"], lay.starts[s][2 * j]),
+                                   (b + k, r["rejected_input_ids"], lay.starts[s][2 * j + 1])):
+                    row_of[s, at: at + len(seq)] = u
+                    index[u, : len(seq)] = s * lay.width + at + torch.arange(len(seq))
+                k += 1
+        batch.update({"packed_input_ids": lay.input_ids, "packed_position_ids": lay.position_ids,
+                      "packed_segment_ids": lay.segment_ids, "packed_row": row_of, "packed_index": index,
+                      "packs": packs})
+        return batch
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-token values of packed sequences ``(S, W)`` -> the ``(2B, T)`` right-padded view (``packed_index``)."""
+    return packed.reshape(-1)[index]
+
+
+def unpacked_rows(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a training set, packed (``pack_rows``) or not, in order."""
+    return [r for it in items for r in it["pack"]] if items and "pack" in items[0] else list(items)
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """``--group-by-length``: a sampler (like ``DistributedSampler``: ``set_epoch``, this rank's share) whose
+    consecutive runs of ``batch_size`` indices are rows of similar length.
+
+    Each epoch: a seeded shuffle, cut into mega-batches of 50 global batches (``batch_size`` x ranks rows), each
+    sorted by length, longest first, and cut into global batches; their order is shuffled (a partial last one
+    stays last), and rank r takes rows r, r + ranks, ... of each. With several ranks the rows are first cut to a
+    multiple of the rank count, as ``DistributedSampler(drop_last=True)`` does.
+    """
+
+    MEGA = 50
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, num_replicas: int, rank: int, seed: int):
+        self.lengths, self.batch_size, self.world, self.rank, self.seed = list(lengths), batch_size, num_replicas, \
+            rank, seed
+        self.epoch = 0
+        n = len(self.lengths)
+        self.total = n - n % num_replicas if num_replicas > 1 else n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        """The global batches of this epoch, in order."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()[: self.total]
+        size = self.batch_size * self.world
+        out: list[list[int]] = []
+        for m in range(0, len(order), size * self.MEGA):
+            chunk = sorted(order[m: m + size * self.MEGA], key=lambda i: -self.lengths[i])
+            out += [chunk[i: i + size] for i in range(0, len(chunk), size)]
+        last = [out.pop()] if out and len(out[-1]) < size else []
+        return [out[i] for i in torch.randperm(len(out), generator=g).tolist()] + last
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([i for b in self.batches() for i in b[self.rank:: self.world]])
+
+    def __len__(self) -> int:
+        return self.total // self.world
+
+
+def sft_length(row: dict[str, Any]) -> int:
+    return len(row["input_ids"])
+
+
+def pair_length(row: dict[str, Any]) -> int:
+    """A pair's packed length: chosen and rejected side by side."""
+    return len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+
+
+def pair_width(row: dict[str, Any]) -> int:
+    """A pair's padded width in a ``(2B, T)`` batch (what length grouping compares)."""
+    return max(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
+
+
+__all__ = ["LengthGroupedSampler", "PackedPairsCollator", "PackedSFTCollator", "block_causal_mask", "check_packing",
+           "pack", "pack_rows", "packed_inputs", "pair_length", "pair_width", "real_tokens",
+           "sft_inputs", "sft_length", "unpack", "unpacked_rows"]
