@@ -41,6 +41,9 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Also return each sampled token's log-prob (the behaviour policy's: PPO's old log-probs). Off unless a caller
+    # uses them: computing them costs a log-softmax over the vocabulary per token.
+    logprobs: bool = False
 
 
 @dataclass
@@ -108,7 +111,8 @@ class LeanLlama:
         # rotary cos/sin of every position once (each entry is one product inv_freq * position, so looking it up
         # gives the same bits as computing it per step)
         cos, sin = self.inner.rotary_emb(w[:1], torch.arange(total, device=w.device)[None])
-        self.cos, self.sin = cos[0], sin[0]  # (total, D)
+        half = self.D // 2
+        self.cos, self.sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # (total, D)
 
     @staticmethod
     def supported(model: torch.nn.Module, total: int) -> tuple[bool, str]:
@@ -143,14 +147,18 @@ class LeanLlama:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
+        if dtype == torch.float32 and weight.dtype == torch.float32:
+            # one kernel, the same float32 arithmetic as HF's RMSNorm (x * rsqrt(mean(x^2) + eps) * weight)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        h = x.float()  # half precision: HF normalises in float32, casts back, then scales
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * h.to(dtype)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a, b = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-b, a), dim=-1) * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): cat(x2, x1) is a roll by half the head
+        # and the minus sits in signed_sin = cat(-sin1, sin2); (-a) * b == -(a * b) exactly, so the bits match
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run ``ids`` (B, n) at ``positions`` (B, n), appending their keys/values to the cache; ``real`` (B, n)
@@ -233,19 +241,21 @@ class DschatBackend:
         position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
         tokens, logps = [], []
-        ones = torch.ones(B, 1, dtype=torch.long, device=prompt.device)
+        ones = torch.ones(B, 1, dtype=torch.bool, device=prompt.device)
         for t in range(N):
             tok = next_token(logits, config)
-            logps.append(token_logprobs(logits, tok, config.temperature).masked_fill(done, 0.0))
-            tok = tok.masked_fill(done, pad_token_id)
+            if config.logprobs:  # 0 after a row has ended
+                logps.append(token_logprobs(logits, tok, config.temperature).masked_fill(done, 0.0))
+            if t:  # before the first token no row has ended
+                tok = tok.masked_fill(done, pad_token_id)
             tokens.append(tok)
-            done = done | torch.isin(tok, eos)
+            done = done | (tok == eos[0] if eos.numel() == 1 else torch.isin(tok, eos))
             if t == N - 1 or bool(done.all()):
                 break
             logits = dec.forward(tok[:, None], position, ones)
             position = position + 1
         answer = torch.stack(tokens, dim=1)
-        return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1))
+        return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1) if logps else None)
 
 
 class HFBackend:

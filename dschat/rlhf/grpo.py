@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -235,6 +235,11 @@ class GRPO(OnPolicy):
         """
         g, m, rl = self.g, self.models, self.cfg.rl
         G, dev, target = g.num_generations, E.device(), rl.per_device_generation_batch_size
+        # The sampling pass returns its log-probs when they will serve as old log-probs: needs_old with the most
+        # micro-batches this generation can yield (dynamic sampling only keeps fewer, and fewer never need more).
+        accum = self.cfg.optim.gradient_accumulation_steps
+        most = math.ceil(target * G / self.cfg.optim.per_device_train_batch_size)
+        gen = replace(self.gen, logprobs=self.needs_old(most, accum, getattr(m.actor, "micro_steps", 0) % accum))
         kept: list[tuple[Rollout, torch.Tensor, torch.Tensor | None]] = []
         seen: dict[str, list[torch.Tensor]] = {"reward": [], "length": [], "eos": [], "group_std": [],
                                                **{f"reward/{n}": [] for n in self.scorer.mixer.names}}
@@ -247,7 +252,7 @@ class GRPO(OnPolicy):
                 baselines = baselines.float().cpu().repeat_interleave(G)  # (N,) aligned with the completions
                 seen.setdefault("reward_baseline", []).append(baselines)
             batch = repeat_prompts(prompts, G)
-            rollout, d = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen, min_answer_len=rl.min_answer_len)
+            rollout, d = generate_rollout(self.hybrid, m.tokenizer, batch, gen, min_answer_len=rl.min_answer_len)
             gen_time += self.hybrid.last_generate_seconds
             dropped += d
             seen["length"].append(rollout.answer_lengths.float().cpu())
@@ -290,7 +295,6 @@ class GRPO(OnPolicy):
         rows = torch.arange(n_groups * G)
         rollout, rewards = rollout.select(rows.to(rollout.sequences.device)), rewards[rows]
         baselines = torch.cat([b for _, _, b in kept])[rows] if kept[0][2] is not None else None
-        accum = self.cfg.optim.gradient_accumulation_steps
         n_micro = math.ceil(rows.numel() / self.cfg.optim.per_device_train_batch_size)
         offset = getattr(m.actor, "micro_steps", 0) % accum
         # Old and reference log-probs in eval mode (no dropout), once per generation.

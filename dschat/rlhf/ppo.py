@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -120,7 +120,8 @@ class PPO(OnPolicy):
 
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):
-        self.cfg, self.p, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.ppo, models, hybrid, scorer, gen
+        self.cfg, self.p, self.models, self.hybrid, self.scorer = cfg, cfg.ppo, models, hybrid, scorer
+        self.gen = replace(gen, logprobs=True)  # the sampling pass's log-probs are PPO's old log-probs
         self.shuffle, self.ema = shuffle, ema
         p = self.p
         self.kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \

@@ -4,6 +4,8 @@ must equal a full forward's, and the sampling warpers must cut exactly what HF's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import (
@@ -102,7 +104,7 @@ def test_loop_logprobs_equal_a_forward_pass():
         model = model_of(kind)
         ids, mask = prompts()
         torch.manual_seed(3)
-        cfg = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+        cfg = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, logprobs=True)
         with torch.no_grad():
             out = DschatBackend().generate(model, ids, mask, cfg, 5, PAD)
             rollout, _ = make_rollout(ids, mask, out.sequences, 5, PAD, min_answer_len=0, logprobs=out.logprobs)
@@ -111,6 +113,11 @@ def test_loop_logprobs_equal_a_forward_pass():
         assert m.sum() >= 16
         assert torch.allclose(rollout.logprobs[m], forward[m], atol=1e-5), kind
         assert (rollout.logprobs[~m] == 0).all()
+        # asked for no log-probs (GRPO with mu = 1, evaluation): none computed, and the same tokens drawn
+        torch.manual_seed(3)
+        with torch.no_grad():
+            plain = DschatBackend().generate(model, ids, mask, replace(cfg, logprobs=False), 5, PAD)
+        assert plain.logprobs is None and torch.equal(plain.sequences, out.sequences)
 
 
 def test_wrapped_layers_take_the_forward_path():

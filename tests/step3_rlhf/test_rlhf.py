@@ -88,7 +88,7 @@ def test_hybrid_engine_greedy_equals_plain_generate(tiny, stage):
     assert torch.allclose(a[m], b[m], atol=1e-5)
     # the sampling pass's own log-probs (PPO's old log-probs) equal the engine's forward, ZeRO-3 included
     torch.manual_seed(0)
-    sampled = hybrid.sample(prompt, mask, GenerationConfig(max_new_tokens=12, temperature=0.8))
+    sampled = hybrid.sample(prompt, mask, GenerationConfig(max_new_tokens=12, temperature=0.8, logprobs=True))
     rollout, _ = make_rollout(prompt, mask, sampled.sequences, tok.eos_token_id, tok.pad_token_id,
                               logprobs=sampled.logprobs)
     with torch.no_grad():
