@@ -613,7 +613,7 @@ def run_side(side: str, row: str, wl: dict[str, Any], args: argparse.Namespace, 
     r: dict[str, Any] = {"process_wall_s": round(time.time() - t0, 1), "load_before": load, "log": str(log)}
     try:
         if p.returncode != 0:
-            raise RuntimeError(f"exit {p.returncode}: {log.read_text()[-600:]}")
+            raise RuntimeError(f"exit {p.returncode}: {(p.stdout or '')[-300:]}{log.read_text()[-600:]}")
         if side == "dschat":
             shutil.copyfile(out / "metrics.jsonl", logs / f"{tag}.metrics.jsonl")
             times, losses = step_times(out / "metrics.jsonl")
