@@ -82,8 +82,8 @@ ROWS: dict[str, Row] = {
     "sft": Row(1, "sequences", 20, None, "stage 1, 8 padded rows per step (prompt + chosen), max_seq_len 256"),
     "sft-packed": Row(1, "sequences", 20, None, "stage 1 --packing: 8 packed sequences of <= 256 tokens per step "
                                                 "(about 2 rows each); throughput counts rows"),
-    "rm": Row(2, "pairs", 30, "RewardTrainer", "stage 2, 8 pairs per step, --rm-loss pairwise (the ceiling: "
-                                               "-logsigmoid of last-token score differences), clip 1.0"),
+    "rm": Row(2, "pairs", 30, "RewardTrainer", "stage 2, 8 pairs per step, --rm-loss last-token (the loss "
+                                               "of the ceiling and of RewardTrainer), clip 1.0"),
     "dpo": Row(3, "pairs", 20, "DPOTrainer", "--algo dpo, 8 pairs per step, sigmoid, beta 0.1, reference log-probs "
                                              "precomputed (TRL: reference forward per step, its default)"),
     "grpo": Row(3, "completions", 15, "GRPOTrainer", "--algo grpo, 2 prompts x 4 completions, 64 new tokens, "
@@ -94,8 +94,8 @@ ROWS: dict[str, Row] = {
 
 
 # Rows whose ceiling computes dschat's own loss on the same batches from the same weights with the same optimizer:
-# their per-step losses agree, which checks that both sides train on the same data (rm's ceiling uses the
-# last-token loss, and the sampling rows draw different samples).
+# their per-step losses agree, which checks that both sides train on the same data (rm's ceiling scores with its own
+# sequence-classification head, and the sampling rows draw different samples).
 SAME_LOSS = ("sft", "sft-packed", "dpo")
 
 
@@ -180,7 +180,7 @@ def dschat_flags(row: str, wl: dict[str, Any], shape: Shape, steps: int, out: Pa
                 *one_model, "--max-grad-norm", "0", *(["--packing"] if row == "sft-packed" else []), *common]
     if row == "rm":
         return ["--step", "2", "--model", wl["reward"], "--data", wl["pairwise"], "--data-split", "0,10,0",
-                *one_model, "--max-grad-norm", "1.0", "--rm-loss", "pairwise", *common]
+                *one_model, "--max-grad-norm", "1.0", "--rm-loss", "last-token", *common]
     actor = ["--actor-model", wl["policy"], "--no-actor-gradient-checkpointing", "--actor-learning-rate", str(s.lr),
              "--max-grad-norm", "1.0", "--data-split", "0,0,10"]
     if row == "dpo":
