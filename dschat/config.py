@@ -339,7 +339,8 @@ def build_config(config_cls: type, values: dict[str, Any]) -> Any:
         kwargs[g.name] = _make_piece(hints[g.name], g.metadata, pieces.get(g.name, {}))
     cfg = config_cls(**kwargs)
     for s in specs.values():
-        if s.choices and getattr(getattr(cfg, s.group), s.field) not in s.choices:
+        value = getattr(getattr(cfg, s.group), s.field)
+        if s.choices and value not in s.choices and not (value is None and s.optional):
             raise UserError(f"--{s.name.replace('_', '-')} must be one of {', '.join(s.choices)}")
     return cfg
 

@@ -53,9 +53,10 @@ class GRPOArgs:
                                            "--loss-type dapo, DAPO's clip-higher).", above=0)
     scale_rewards: str = arg("group", "Advantage scale: reward minus group mean, divided by the group's std, the "
                                       "batch's std, or nothing (Dr. GRPO).", choices=("group", "batch", "none"))
-    loss_type: str = arg("grpo", "Loss aggregation: grpo (per-sequence token mean), dr_grpo (sum / (batch * max "
-                                 "length)), dapo (token mean over the batch; clip-higher, dynamic sampling), gspo "
-                                 "(sequence-level ratio).", choices=("grpo", "dr_grpo", "dapo", "gspo"))
+    loss_type: str | None = arg(None, "Loss aggregation: grpo (per-sequence token mean), dr_grpo (sum / (batch * "
+                                      "max length)), dapo (token mean over the batch; clip-higher, dynamic "
+                                      "sampling), gspo (sequence-level ratio). Default: grpo; remax: dr_grpo.",
+                                choices=("grpo", "dr_grpo", "dapo", "gspo"))
     dynamic_sampling: bool | None = arg(None, "Drop groups whose rewards are all equal and generate more prompts to "
                                               "refill the batch (DAPO). Default: on with --loss-type dapo only.")
     max_resample_rounds: int = arg(3, "Extra generation rounds per step to refill dropped groups (dynamic "
@@ -168,6 +169,7 @@ class GRPO(OnPolicy):
     uses = frozenset({"grpo"})
     output_name = "step3_grpo"
     demo_data = "prompts"  # without --data: the demo's arithmetic prompts, whose answers the rules can check
+    default_loss_type = "grpo"  # without --loss-type
 
     @staticmethod
     def needs(cfg: Any) -> set[str]:
@@ -199,7 +201,8 @@ class GRPO(OnPolicy):
         self.cfg, self.g, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.grpo, models, hybrid, scorer, gen
         self.shuffle, self.ema = shuffle, ema
         # The policy loss's settings; an estimator that reads fewer GRPO flags sets its own.
-        self.loss_type, self.eps_high, self.beta = self.g.loss_type, self.g.eps_high, self.g.beta
+        self.loss_type = self.g.loss_type or self.default_loss_type
+        self.eps_high, self.beta, self.dynamic = self.g.eps_high, self.g.beta, self.g.dynamic
 
     def advantages(self, rewards: torch.Tensor, rollout: Rollout, old: torch.Tensor | None,
                    ref: torch.Tensor | None, baselines: torch.Tensor | None) -> torch.Tensor:
@@ -217,11 +220,11 @@ class GRPO(OnPolicy):
 
     def describe(self) -> str:
         g = self.g
-        return (f"GRPO loss {g.loss_type}, G {g.num_generations}, mu {g.num_iterations}, beta {g.beta}, rewards "
-                + self.scorer.describe() + (", dynamic sampling" if g.dynamic else ""))
+        return (f"GRPO loss {self.loss_type}, G {g.num_generations}, mu {g.num_iterations}, beta {g.beta}, rewards "
+                + self.scorer.describe() + (", dynamic sampling" if self.dynamic else ""))
 
     def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        return {"loss_type": self.g.loss_type}
+        return {"loss_type": self.loss_type}
 
     @torch.no_grad()
     def make_groups(self, stream: EpochStream) -> tuple[GroupBatch | None, dict[str, float], int]:
@@ -264,13 +267,13 @@ class GRPO(OnPolicy):
             seen["group_std"].append(mixed.total.view(-1, G).std(dim=1))
             for name, values in mixed.per_func.items():
                 seen[f"reward/{name}"].append(values)
-            idx = select_groups(mixed.total, G, g.dynamic, target - n_kept)
+            idx = select_groups(mixed.total, G, self.dynamic, target - n_kept)
             if idx.numel():
                 kept.append((rollout.select(idx.to(rollout.sequences.device)), mixed.total[idx],
                              None if baselines is None else baselines[idx]))
             n_kept += idx.numel() // G
             rounds += 1
-            if not g.dynamic or rounds > g.max_resample_rounds:
+            if not self.dynamic or rounds > g.max_resample_rounds:
                 break
             # One decision for all ranks: generation under ZeRO-3 is a collective.
             if E.all_reduce_max(torch.tensor(float(target - n_kept))).item() <= 0:

@@ -51,6 +51,7 @@ class ReinforcePP(GRPO):
         super().__init__(*args, **kwargs)
         self.p = self.cfg.ppo
         self.loss_type, self.beta = "dapo", 0.0  # token mean over each optimizer step; KL is in the reward
+        self.dynamic = False
 
     def needs_old(self, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
         # The per-token KL reward reads the generating policy's log-probs.

@@ -6,7 +6,9 @@ One extra generation per prompt and step: the greedy answer (``prompt_baselines`
 sources. The rest is GRPO's machinery: ``--num-generations`` sampled answers per prompt, each against the shared
 greedy baseline (the paper samples one; veRL's ``compute_remax_outcome_advantage`` allows n), the clipped loss
 with ``--loss-type`` aggregation and ``--beta`` KL to the reference. Every sampled group has a gradient even when
-its rewards are equal, so dynamic sampling and ``--scale-rewards`` do not apply.
+its rewards are equal, so dynamic sampling and ``--scale-rewards`` do not apply. The default aggregation is
+dr_grpo (sum over tokens, constant normaliser): with a baseline that is not the group mean a per-sequence mean
+biases the update by answer length (see ``default_loss_type``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ class ReMax(GRPO):
     help = "ReMax: the greedy answer's reward as each prompt's baseline, no critic (Li et al. 2023)"
     uses = grpo_flags("scale_rewards", "dynamic_sampling", "max_resample_rounds")
     output_name = "step3_remax"
+    # The greedy baseline is not the group mean, so advantages need not sum to zero: a per-sequence token mean
+    # (grpo, gspo) then weighs a short answer's tokens more than a long one's, and a baseline far above the samples'
+    # mean pushes every answer down, short ones most (on the GRPO demo: answers grew 14 -> 24 tokens and the reward
+    # fell). REINFORCE's gradient is the sum over an answer's tokens, as dr_grpo's constant normaliser keeps it.
+    default_loss_type = "dr_grpo"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.dynamic = False  # every group has a gradient against the greedy baseline, also --loss-type dapo's
 
     def prompt_baselines(self, batch: dict[str, Any], scorer: Scorer) -> torch.Tensor | None:
         """``(P,)``: the reward of each prompt's greedy answer (generated with the actor, no sampling)."""
@@ -41,5 +52,5 @@ class ReMax(GRPO):
 
     def describe(self) -> str:
         g = self.g
-        return (f"ReMax G {g.num_generations} + 1 greedy, loss {g.loss_type}, mu {g.num_iterations}, beta {g.beta}, "
+        return (f"ReMax G {g.num_generations} + 1 greedy, loss {self.loss_type}, mu {g.num_iterations}, beta {g.beta}, "
                 "rewards " + self.scorer.describe())

@@ -29,5 +29,5 @@ class RLOO(GRPO):
 
     def describe(self) -> str:
         g = self.g
-        return (f"RLOO k {g.num_generations}, loss {g.loss_type}, mu {g.num_iterations}, beta {g.beta}, rewards "
-                + self.scorer.describe() + (", dynamic sampling" if g.dynamic else ""))
+        return (f"RLOO k {g.num_generations}, loss {self.loss_type}, mu {g.num_iterations}, beta {g.beta}, rewards "
+                + self.scorer.describe() + (", dynamic sampling" if self.dynamic else ""))

@@ -98,6 +98,18 @@ def test_reinforce_pp_short_run(tmp_path, reward_file, algo):  # noqa: F811
 def test_remax_short_run(tmp_path, reward_file):  # noqa: F811
     rows = _short_run(tmp_path, reward_file, "remax", beta=0.0)
     assert "train/reward_baseline" in rows[0] and "train/kl" not in rows[0]  # the greedy answers' mean reward
+    # without --loss-type ReMax sums each answer's tokens (its baseline is not centred); GRPO's default is grpo
+    assert read_json(tmp_path / "remax" / "eval.json")["loss_type"] == "dr_grpo"
+
+
+def test_loss_type_defaults_per_algorithm_and_explicit_wins():
+    cfg = lambda algo, **kw: build_config(RLHFConfig, {"algo": algo, "actor_model": "tiny", **kw})  # noqa: E731
+    made = lambda algo, **kw: ALGORITHMS[algo](cfg(algo, **kw), None, None, None, None, None, None, {})  # noqa: E731
+    assert made("grpo").loss_type == "grpo" and made("rloo").loss_type == "grpo"
+    assert made("remax").loss_type == "dr_grpo" and not made("remax").dynamic
+    remax_dapo = made("remax", loss_type="dapo")  # dapo's aggregation and clip-higher, never its dynamic sampling
+    assert remax_dapo.loss_type == "dapo" and remax_dapo.eps_high == 0.28 and not remax_dapo.dynamic
+    assert made("grpo", loss_type="dapo").dynamic and made("reinforce_pp").loss_type == "dapo"
 
 
 def _shard(rank: int, rows: slice) -> tuple:
