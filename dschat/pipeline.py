@@ -245,7 +245,8 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
                     "implicit_accuracy_before", "implicit_accuracy_after", "implicit_margin_before",
                     "implicit_margin_after", "eval_pairs_after", "reward_before", "reward_after", "reward_before_se",
                     "reward_after_se", "reward_gain", "reward_gain_se", "eval_prompts", "kl_after", "pairs",
-                    "tie_groups")},
+                    "tie_groups", "sampled_implicit_accuracy_before", "sampled_implicit_accuracy_after",
+                    "sampled_pairs_after")},
                 "seconds": timings}
     rl = load(FOLDERS["ppo"])
     return {
@@ -383,6 +384,10 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
                    f"(gain {_fmt(report['dpo_reward_gain'])} ± {_fmt(report['dpo_reward_gain_se'])} s.e., "
                    f"{report['dpo_eval_prompts'] or '-'} held-out prompts sampled), KL {_fmt(report['dpo_kl_after'])}")
         if algo == "online_dpo":
+            b, a = report["dpo_sampled_implicit_accuracy_before"], report["dpo_sampled_implicit_accuracy_after"]
+            click.echo(f"      sampled pairs     implicit acc. {_fmt(b)} -> {_fmt(a)} "
+                       f"({report['dpo_sampled_pairs_after'] or '-'} held-out pairs of the SFT policy's answers, best "
+                       "vs worst by reward)")
             click.echo(f"      pairs trained     {report['dpo_pairs']}, tied groups skipped {report['dpo_tie_groups']}")
     else:
         click.echo(f"RM    accuracy          {_fmt(report['rm_accuracy_before'])} -> {_fmt(report['rm_accuracy'])}")

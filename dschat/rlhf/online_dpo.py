@@ -12,7 +12,9 @@ arXiv:2402.04792, with a reward source in place of an AI annotator).
 Log-probs are the policy's own (temperature 1), as offline DPO's: the implicit reward ``beta * (pi - ref)`` is
 defined on the policy, not on the tempered sampling distribution. Evaluation is the sampling algorithms' (reward of
 held-out answers, paired s.e., KL) plus, where the held-out prompts come from pairwise rows, offline DPO's
-implicit-reward accuracy on those pairs.
+implicit-reward accuracy on those pairs, and the implicit-reward accuracy on held-out *sampled* pairs
+(``sampled_pairs_eval``): what online DPO learns is the reward sources' preference between the policy's own kind of
+answers, which a dataset's pairs need not contain.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.data.phases import pairs_of
 from dschat.errors import UserError
+from dschat.hybrid_engine import HybridEngine
 from dschat.rewards import RM
 from dschat.rlhf.dpo import DPO, DataCollatorPairs, implicit_eval, implicit_summary, pair_loss, pair_stats
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
-from dschat.stage import EpochStream, EvalLoader, to_device
+from dschat.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+
+SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs")
+SAMPLED_SEED_OFFSET = 7919  # the held-out pairs' sampling seeds, apart from the reward evaluation's
 
 
 def rollout_logps(model: Any, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +102,8 @@ class OnlineDPO(OnPolicy):
                 f"best vs worst, rewards {self.scorer.describe()}")
 
     def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-        return {**implicit_summary(self.a, before, after), **self.totals}
+        sampled = {f"{k}_{when}": r.get(k) for k in SAMPLED_KEYS for when, r in (("before", before), ("after", after))}
+        return {**implicit_summary(self.a, before, after), **sampled, **self.totals}
 
     def state(self) -> dict[str, Any]:
         return dict(self.totals)
@@ -186,7 +193,39 @@ class OnlineDPO(OnPolicy):
         pairs = self.pair_loader(loader)
         if pairs is not None:
             res.update(implicit_eval(self.models, self.a, pairs))
+        res.update(self.sampled_pairs_eval(loader))
         return res
+
+    @torch.no_grad()
+    def sampled_pairs_eval(self, loader: EvalLoader) -> dict[str, Any]:
+        """Implicit-reward accuracy on held-out sampled pairs: ``--num-generations`` answers to each held-out prompt
+        from the frozen initial policy (the reference engine, with fixed seeds, so the evaluations before and after
+        training score the same pairs), the reward sources' best against their worst, as training pairs them. A
+        pair counts when ``beta * (log pi - log ref)`` ranks the best above the worst (a tie counts half: 0.5
+        before training, where the policy is the reference). None without a reference (simpo)."""
+        m, G = self.models, self.G
+        if m.ref is None:
+            return {}
+        sampler = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
+        was_training = m.actor.training
+        m.actor.eval()
+        wins, count = 0.0, 0.0
+        for i, (batch, real) in enumerate(lockstep_batches(loader)):  # ZeRO-3: generation and forwards collective
+            batch = repeat_prompts(to_device(batch, E.device()), G)
+            rollout, _ = generate_rollout(sampler, m.tokenizer, batch, self.gen,
+                                          seed=self.cfg.run.seed + SAMPLED_SEED_OFFSET + i, min_answer_len=1)
+            rewards = self.scorer(rollout, batch).total
+            implicit = rollout_logps(m.actor, rollout)[0] - rollout_logps(m.ref, rollout)[0]  # (N,) per beta
+            pairs = L.best_worst_pairs(rewards, G, rollout.answer_lengths.cpu() > 0)
+            if real and pairs.chosen.numel():
+                c, x = pairs.chosen.to(implicit.device), pairs.rejected.to(implicit.device)
+                margin = implicit[c] - implicit[x]
+                wins += ((margin > 0).float() + 0.5 * (margin == 0).float()).sum().item()
+                count += float(c.numel())
+        if was_training:
+            m.actor.train()
+        wins, count = E.all_reduce_sum(torch.tensor([wins, count])).tolist()
+        return {"sampled_implicit_accuracy": wins / count if count else None, "sampled_pairs": int(count)}
 
     def pair_loader(self, loader: EvalLoader) -> EvalLoader | None:
         """This rank's held-out pairs, or None when some rank has none (the evaluation is collective)."""

@@ -97,6 +97,11 @@ def test_online_dpo_short_run(tmp_path):
     # ... and offline DPO's implicit-reward metrics on the held-out pairs (the actor starts as the reference).
     assert ev["eval_pairs_after"] == 8 and ev["implicit_accuracy_before"] == pytest.approx(0.5)
     assert ev["logratio_before"] == pytest.approx(0.0, abs=1e-4) and ev["logratio_after"] != 0.0
+    # Held-out sampled pairs (the initial policy's answers, best vs worst by the reward): the same pairs before and
+    # after, every tie counted half before training (policy == reference), and a measured share after.
+    assert ev["sampled_pairs_before"] == ev["sampled_pairs_after"] > 0
+    assert ev["sampled_implicit_accuracy_before"] == 0.5
+    assert 0.0 <= ev["sampled_implicit_accuracy_after"] <= 1.0
     assert fraction_changed(out) > 0.5
 
 
