@@ -203,9 +203,16 @@ class OnlineDPO(OnPolicy):
         training score the same pairs), the reward sources' best against their worst, as training pairs them. A
         pair counts when ``beta * (log pi - log ref)`` ranks the best above the worst (a tie counts half: 0.5
         before training, where the policy is the reference). None without a reference (simpo)."""
-        m, G = self.models, self.G
-        if m.ref is None:
+        if self.models.ref is None:
             return {}
+        # RNG-neutral: iterating a DataLoader draws from the global generator, and training's sampling must not
+        # depend on whether this evaluation ran
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            return self._sampled_pairs_eval(loader)
+
+    def _sampled_pairs_eval(self, loader: EvalLoader) -> dict[str, Any]:
+        m, G = self.models, self.G
         sampler = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
         was_training = m.actor.training
         m.actor.eval()
