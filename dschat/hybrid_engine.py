@@ -54,8 +54,8 @@ class HybridEngine:
                generator_seed: int | None = None) -> Generated:
         """Sample answers for left-padded prompts ``(B, P)``: sequences ``(B, P + A)`` (A <= max_new_tokens) and,
         with ``config.logprobs``, when the backend computes them and the actor runs in float32, each answer
-        token's log-prob. (In fp32
-        the KV-cache log-probs equal a full forward's to ~1e-6; in half precision they are left to the forward.)"""
+        token's log-prob. (In fp32 the KV-cache log-probs equal a full forward's to ~1e-6; in half precision they
+        are left to the forward.)"""
         t0 = time.time()
         module = self.module
         was_training = module.training

@@ -12,7 +12,6 @@ read the GRPO flags they list in ``uses`` (``grpo_flags``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, fields, replace
@@ -128,7 +127,7 @@ def mask_truncated(rollout: Rollout) -> Rollout:
     so it leaves the loss instead of being pushed down (DAPO, Yu et al. 2025). Its reward still counts in its
     group's statistics."""
     keep = rollout.reached_eos.unsqueeze(1).to(rollout.action_mask)  # (B, 1)
-    return dataclasses.replace(rollout, action_mask=rollout.action_mask * keep)
+    return replace(rollout, action_mask=rollout.action_mask * keep)
 
 
 def needs_old_logprobs(num_iterations: int, n_micro: int, grad_accum: int, micro_offset: int) -> bool:
@@ -241,8 +240,9 @@ class GRPO(OnPolicy):
         # The sampling pass returns its log-probs when they will serve as old log-probs: needs_old with the most
         # micro-batches this generation can yield (dynamic sampling only keeps fewer, and fewer never need more).
         accum = self.cfg.optim.gradient_accumulation_steps
+        offset = getattr(m.actor, "micro_steps", 0) % accum  # no optimizer step happens until training
         most = math.ceil(target * G / self.cfg.optim.per_device_train_batch_size)
-        gen = replace(self.gen, logprobs=self.needs_old(most, accum, getattr(m.actor, "micro_steps", 0) % accum))
+        gen = replace(self.gen, logprobs=self.needs_old(most, accum, offset))
         kept: list[tuple[Rollout, torch.Tensor, torch.Tensor | None]] = []
         seen: dict[str, list[torch.Tensor]] = {"reward": [], "length": [], "eos": [], "group_std": [],
                                                **{f"reward/{n}": [] for n in self.scorer.mixer.names}}
@@ -299,7 +299,6 @@ class GRPO(OnPolicy):
         rollout, rewards = rollout.select(rows.to(rollout.sequences.device)), rewards[rows]
         baselines = torch.cat([b for _, _, b in kept])[rows] if kept[0][2] is not None else None
         n_micro = math.ceil(rows.numel() / self.cfg.optim.per_device_train_batch_size)
-        offset = getattr(m.actor, "micro_steps", 0) % accum
         # Old and reference log-probs in eval mode (no dropout), once per generation.
         m.actor.eval()
         old = behaviour_logprobs(m.actor, rollout, rl.temperature) if self.needs_old(n_micro, accum, offset) else None

@@ -226,8 +226,7 @@ class OnlineDPO(OnPolicy):
             pairs = L.best_worst_pairs(rewards, G, rollout.answer_lengths.cpu() > 0)
             if real and pairs.chosen.numel():
                 c, x = pairs.chosen.to(implicit.device), pairs.rejected.to(implicit.device)
-                margin = implicit[c] - implicit[x]
-                wins += ((margin > 0).float() + 0.5 * (margin == 0).float()).sum().item()
+                wins += L.pairwise_metrics(implicit[c], implicit[x]).accuracy.item() * c.numel()  # ties half
                 count += float(c.numel())
         if was_training:
             m.actor.train()
