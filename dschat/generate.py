@@ -382,7 +382,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     from dschat.devices import resolve_dtype
     from dschat.generation import GenerationConfig
     from dschat.hybrid_engine import make_hybrid_engine
-    from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_saved_model
+    from dschat.models import frozen_causal_lm, frozen_reward_model, load_tokenizer, resolve_saved_model
     from dschat.rlhf.engines import Models
     from dschat.rlhf.scoring import build_scorer
     from dschat.stage import to_device
@@ -420,17 +420,14 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
 
         # the model to sample from, and the reward sources (frozen, on this process's device)
         dtype = resolve_dtype(cfg.model.dtype)
-        policy = E.build_eval_engine(create_causal_lm(model_path, dtype, trust_remote_code=cfg.model.trust_remote_code),
-                                     zero_stage=0, offload=False, dtype=dtype)
+        policy = frozen_causal_lm(model_path, dtype, cfg.model.trust_remote_code)
         hybrid = make_hybrid_engine(policy, tok, requested=False, backend=rl.generation_backend)
         scorer = None
         if names:
             reward, rm_tok = None, None
             if reward_path:
                 rm_tok = load_tokenizer(reward_path, cfg.model.trust_remote_code)
-                reward = E.build_eval_engine(create_reward_model(reward_path, dtype, 0.0, False, rm_tok.pad_token_id,
-                                                                 cfg.model.trust_remote_code),
-                                             zero_stage=0, offload=False, dtype=dtype)
+                reward = frozen_reward_model(reward_path, dtype, rm_tok.pad_token_id, cfg.model.trust_remote_code)
             scorer = build_scorer(cfg, Models(policy, None, None, reward, tok, rm_tok, None))
         gen = GenerationConfig(max_new_tokens=rl.max_answer_seq_len, do_sample=True, temperature=rl.temperature,
                                top_p=rl.top_p, top_k=rl.top_k)

@@ -387,3 +387,23 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
         seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         seq_cls.config.use_cache = False
     return model
+
+
+def frozen_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
+    """A saved causal LM as a frozen engine on this process's device (no sharding): what the evaluation and sampling
+    commands score or sample with. A folder without a loadable causal LM is a one-line error."""
+    from dschat import engine as E  # here, not above: dschat.engine imports deepspeed (start-up cost)
+
+    try:
+        lm = create_causal_lm(path, dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot load a causal LM ({str(e).strip().splitlines()[0][:200]})") from None
+    return E.build_eval_engine(lm, zero_stage=0, offload=False, dtype=dtype)
+
+
+def frozen_reward_model(path: str, dtype: torch.dtype, pad_token_id: int, trust_remote_code: bool = False) -> Any:
+    """A saved reward model (stage 2's output) as a frozen engine on this process's device (no sharding)."""
+    from dschat import engine as E  # here, not above: dschat.engine imports deepspeed (start-up cost)
+
+    model = create_reward_model(path, dtype, 0.0, False, pad_token_id, trust_remote_code)
+    return E.build_eval_engine(model, zero_stage=0, offload=False, dtype=dtype)

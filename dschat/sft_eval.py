@@ -20,7 +20,7 @@ from dschat.data import DataCollatorSFT, load_phase
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
 from dschat.losses import distill_sft_loss
-from dschat.models import create_causal_lm, load_tokenizer, resolve_saved_model
+from dschat.models import frozen_causal_lm, load_tokenizer, resolve_saved_model
 from dschat.stage import eval_loader, lockstep_batches, to_device
 
 
@@ -36,11 +36,10 @@ def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | N
     for batch, real in lockstep_batches(loader):
         batch = to_device(batch, E.device())
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        kd = None
+        teacher_logits = None
         if distiller is not None:  # the teacher's forward is a collective under ZeRO-3: on filler batches too
             teacher_logits = distiller.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                                use_cache=False).logits
-            kd = distill_sft_loss(logits, teacher_logits, batch["labels"], 1.0, distiller.kd.kd_temperature)
         if not real:
             continue
         labels = batch["labels"][:, 1:]
@@ -49,7 +48,8 @@ def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | N
                                                  ignore_index=-100, reduction="sum")
         sums[0] += loss.double().cpu()
         sums[1] += n
-        if kd is not None:
+        if teacher_logits is not None:
+            kd = distill_sft_loss(logits, teacher_logits, batch["labels"], 1.0, distiller.kd.kd_temperature)
             sums[2] += kd.kd.double().cpu() * n
             sums[3] += kd.top1_agreement.double().cpu() * n
         if tick is not None:
@@ -80,8 +80,7 @@ def evaluate_saved_lm(cfg: Any, default_data: Callable[[], Sequence[str]] | None
                         "--max-eval-rows leaves none (to score every row of a file: --data-split 1,0,0 "
                         "--eval-fraction 1 --max-eval-rows 0)")
     dtype = resolve_dtype(cfg.model.dtype, E.device())
-    model = create_causal_lm(path, dtype, trust_remote_code=cfg.model.trust_remote_code)
-    model = E.build_eval_engine(model, zero_stage=0, offload=False, dtype=dtype)  # frozen, on this device
+    model = frozen_causal_lm(path, dtype, cfg.model.trust_remote_code)
     loader = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, DataCollatorSFT(tokenizer.pad_token_id))
     bar = None
     if progress:

@@ -28,7 +28,7 @@ from dschat.errors import UserError
 from dschat.generation import GenerationConfig
 from dschat.hybrid_engine import make_hybrid_engine
 from dschat.judge import JUDGE, JudgeReward, load_judge_reward, question_of
-from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_saved_model
+from dschat.models import frozen_causal_lm, frozen_reward_model, load_tokenizer, resolve_saved_model
 from dschat.reward_eval import check_reward_checkpoint
 from dschat.rewards import RM
 from dschat.rlhf.config import check_reward_data
@@ -158,14 +158,6 @@ def judge_win_metrics(scores: Sequence[Sequence[float]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ models
-def _frozen_lm(path: str, dtype: Any, trust_remote_code: bool) -> Any:
-    try:
-        lm = create_causal_lm(path, dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot load a causal LM ({str(e).strip().splitlines()[0][:200]})") from None
-    return E.build_eval_engine(lm, zero_stage=0, offload=False, dtype=dtype)  # frozen, eval mode, on this device
-
-
 def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
                     default_data: Callable[[], Sequence[str]] | None = None, progress: bool = True,
                     log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -200,15 +192,14 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
 
     dev = E.device()
     dtype = resolve_dtype(cfg.model.dtype, dev)
-    policy = _frozen_lm(policy_path, dtype, trust)
-    base = _frozen_lm(baseline_path, dtype, trust) if baseline else None
+    policy = frozen_causal_lm(policy_path, dtype, trust)
+    base = frozen_causal_lm(baseline_path, dtype, trust) if baseline else None
     reward, rm_tok = None, None
     if RM in names:
         reward_path = resolve_saved_model(r.reward_model, inside=("model",))
         check_reward_checkpoint(reward_path, trust)
         rm_tok = load_tokenizer(reward_path, trust)
-        reward = E.build_eval_engine(create_reward_model(reward_path, dtype, 0.0, False, rm_tok.pad_token_id, trust),
-                                     zero_stage=0, offload=False, dtype=dtype)
+        reward = frozen_reward_model(reward_path, dtype, rm_tok.pad_token_id, trust)
     # The policy's KL is measured against the baseline (the stage's reference is its step-1 model).
     as_policy = Models(policy, base, None, reward, tok, rm_tok, None)
     as_baseline = Models(base, None, None, reward, tok, rm_tok, None) if base is not None else None
