@@ -83,10 +83,12 @@ def learning_rate(optim: OptimArgs, model_name: str, n_params: int | None = None
     return DEFAULT_LR
 
 
-def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int) -> DataLoader:
-    """Shuffled each epoch (call ``loader.sampler.set_epoch``), sharded across ranks."""
-    sampler = DistributedSampler(rows, num_replicas=E.world_size(), rank=E.rank(), shuffle=True, seed=seed,
-                                 drop_last=E.world_size() > 1)
+def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int, sampler: Any = None) -> DataLoader:
+    """Shuffled each epoch (call ``loader.sampler.set_epoch``), sharded across ranks; ``sampler`` replaces the
+    default ``DistributedSampler`` (length-grouped batches)."""
+    if sampler is None:
+        sampler = DistributedSampler(rows, num_replicas=E.world_size(), rank=E.rank(), shuffle=True, seed=seed,
+                                     drop_last=E.world_size() > 1)
     # A private generator: starting an epoch's iterator must not draw from the global RNG, or a resumed run
     # (which restores the global RNG mid-epoch) would diverge from an uninterrupted one.
     return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False,
@@ -102,7 +104,7 @@ def training_loader(rows: list[Any], batch_size: int, collator: Any, seed: int, 
         return train_loader(packs, batch_size, collator.packed(), seed)
     if data.group_by_length:
         sampler = LengthGroupedSampler([collator.width(r) for r in rows], batch_size, E.world_size(), E.rank(), seed)
-        return DataLoader(rows, batch_size=batch_size, sampler=sampler, collate_fn=collator, drop_last=False)
+        return train_loader(rows, batch_size, collator, seed, sampler=sampler)
     return train_loader(rows, batch_size, collator, seed)
 
 
