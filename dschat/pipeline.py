@@ -246,7 +246,8 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
                     "implicit_margin_after", "eval_pairs_after", "reward_before", "reward_after", "reward_before_se",
                     "reward_after_se", "reward_gain", "reward_gain_se", "eval_prompts", "kl_after", "pairs",
                     "tie_groups", "sampled_implicit_accuracy_before", "sampled_implicit_accuracy_after",
-                    "sampled_pairs_after")},
+                    "sampled_pairs_after", "onpolicy_implicit_accuracy_before", "onpolicy_implicit_accuracy_after",
+                    "onpolicy_pairs_after")},
                 "seconds": timings}
     rl = load(FOLDERS["ppo"])
     return {
@@ -388,6 +389,10 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
             click.echo(f"      sampled pairs     implicit acc. {_fmt(b)} -> {_fmt(a)} "
                        f"({report['dpo_sampled_pairs_after'] or '-'} held-out pairs of the SFT policy's answers, best "
                        "vs worst by reward)")
+            b, a = report["dpo_onpolicy_implicit_accuracy_before"], report["dpo_onpolicy_implicit_accuracy_after"]
+            click.echo(f"      on-policy pairs   implicit acc. {_fmt(b)} -> {_fmt(a)} "
+                       f"({report['dpo_onpolicy_pairs_after'] or '-'} held-out pairs of the evaluated policy's own "
+                       "answers)")
             click.echo(f"      pairs trained     {report['dpo_pairs']}, tied groups skipped {report['dpo_tie_groups']}")
     else:
         click.echo(f"RM    accuracy          {_fmt(report['rm_accuracy_before'])} -> {_fmt(report['rm_accuracy'])}")

@@ -39,7 +39,7 @@ from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repe
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
-SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs")
+SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs", "onpolicy_implicit_accuracy", "onpolicy_pairs")
 SAMPLED_SEED_OFFSET = 7919  # the held-out pairs' sampling seeds, apart from the reward evaluation's
 
 
@@ -198,22 +198,33 @@ class OnlineDPO(OnPolicy):
 
     @torch.no_grad()
     def sampled_pairs_eval(self, loader: EvalLoader) -> dict[str, Any]:
-        """Implicit-reward accuracy on held-out sampled pairs: ``--num-generations`` answers to each held-out prompt
-        from the frozen initial policy (the reference engine, with fixed seeds, so the evaluations before and after
-        training score the same pairs), the reward sources' best against their worst, as training pairs them. A
-        pair counts when ``beta * (log pi - log ref)`` ranks the best above the worst (a tie counts half: 0.5
-        before training, where the policy is the reference). None without a reference (simpo)."""
+        """Implicit-reward accuracy on held-out sampled pairs: ``--num-generations`` answers to each held-out prompt,
+        the reward sources' best against their worst, as training pairs them. A pair counts when
+        ``beta * (log pi - log ref)`` ranks the best above the worst (a tie counts half: 0.5 before training, where
+        the policy is the reference). Two samplers, with the same fixed seeds:
+
+        * ``sampled_*``: the frozen initial policy (the reference engine), so the evaluations before and after
+          training score the same pairs;
+        * ``onpolicy_*``: the policy being evaluated, i.e. pairs of the kind online DPO trains on, on prompts it
+          never trained on (before training the two are the same pairs).
+
+        None without a reference (simpo)."""
         if self.models.ref is None:
             return {}
+        m = self.models
+        initial = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
         # RNG-neutral: iterating a DataLoader draws from the global generator, and training's sampling must not
         # depend on whether this evaluation ran
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            return self._sampled_pairs_eval(loader)
+        out: dict[str, Any] = {}
+        for prefix, sampler in (("sampled", initial), ("onpolicy", self.hybrid)):
+            with torch.random.fork_rng(devices=devices):
+                accuracy, count = self._sampled_pairs_accuracy(loader, sampler)
+            out[f"{prefix}_implicit_accuracy"], out[f"{prefix}_pairs"] = accuracy, count
+        return out
 
-    def _sampled_pairs_eval(self, loader: EvalLoader) -> dict[str, Any]:
+    def _sampled_pairs_accuracy(self, loader: EvalLoader, sampler: Any) -> tuple[float | None, int]:
         m, G = self.models, self.G
-        sampler = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
         was_training = m.actor.training
         m.actor.eval()
         wins, count = 0.0, 0.0
@@ -231,7 +242,7 @@ class OnlineDPO(OnPolicy):
         if was_training:
             m.actor.train()
         wins, count = E.all_reduce_sum(torch.tensor([wins, count])).tolist()
-        return {"sampled_implicit_accuracy": wins / count if count else None, "sampled_pairs": int(count)}
+        return (wins / count if count else None), int(count)
 
     def pair_loader(self, loader: EvalLoader) -> EvalLoader | None:
         """This rank's held-out pairs, or None when some rank has none (the evaluation is collective)."""

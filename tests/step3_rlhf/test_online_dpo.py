@@ -102,6 +102,10 @@ def test_online_dpo_short_run(tmp_path):
     assert ev["sampled_pairs_before"] == ev["sampled_pairs_after"] > 0
     assert ev["sampled_implicit_accuracy_before"] == 0.5
     assert 0.0 <= ev["sampled_implicit_accuracy_after"] <= 1.0
+    # On-policy pairs (the evaluated policy's own answers, same seeds): before training the policy is the initial
+    # one, so they are the same pairs, all ties; after, pairs of the trained policy's answers.
+    assert ev["onpolicy_pairs_before"] == ev["sampled_pairs_before"] and ev["onpolicy_implicit_accuracy_before"] == 0.5
+    assert ev["onpolicy_pairs_after"] > 0 and 0.0 <= ev["onpolicy_implicit_accuracy_after"] <= 1.0
     assert fraction_changed(out) > 0.5
 
 
