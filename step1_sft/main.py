@@ -29,6 +29,7 @@ from dschat.data import DataCollatorSFT
 from dschat.data.packing import real_tokens, sft_inputs
 from dschat.demo import demo_data
 from dschat.distill import Distiller
+from dschat.logits import causal_lm_loss
 from dschat.models import create_causal_lm
 from dschat.sft_eval import evaluate_perplexity
 from dschat.supervised import OneModelStage, train_one_model
@@ -41,7 +42,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
         stats: dict[str, float] = {}
         if distiller is None:
-            loss = engine(**sft_inputs(engine, batch), use_cache=False).loss  # packed (--packing) or padded rows
+            loss = causal_lm_loss(engine, **sft_inputs(engine, batch))  # packed (--packing) or padded rows
         else:  # (1 - a) * CE + a * T^2 * KL(teacher || student) over the answer tokens
             out = distiller.loss(engine, batch)
             loss = out.loss

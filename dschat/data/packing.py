@@ -65,24 +65,38 @@ def block_causal_mask(segment_ids: torch.Tensor, implementation: str, dtype: tor
     """The attention mask ``(S, 1, W, W)`` of packed sequences ``(S, W)``: token q sees token k when k <= q and
     both belong to the same row (``segment_ids`` equal). Boolean (True: attend) for sdpa, additive (0 or the
     dtype's minimum) for eager; None for flash attention, which reads the rows from the position ids."""
-    if implementation.startswith("flash") or implementation == "flex_attention":
+    if not takes_4d_mask(implementation):
         return None
     width = segment_ids.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
-    allowed = (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal  # (S, W, W)
+    return mask_4d((segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)) & causal, implementation, dtype)
+
+
+def takes_4d_mask(implementation: str) -> bool:
+    """Whether an attention implementation takes an arbitrary ``(S, 1, W, W)`` mask (sdpa, eager) or finds rows
+    from the position ids (flash, flex)."""
+    return not (implementation.startswith("flash") or implementation == "flex_attention")
+
+
+def mask_4d(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` ``(S, W, W)`` (query, key) as the model's 4-D mask: boolean for sdpa, additive for eager."""
     allowed = allowed.unsqueeze(1)
     if implementation == "sdpa":
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min)
+
+
+def attention_of(model: Any) -> tuple[str, torch.dtype]:
+    """The attention implementation of ``model`` (a module or an engine) and its parameters' dtype."""
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # an engine's
+    return getattr(module.config, "_attn_implementation", None) or "sdpa", next(module.parameters()).dtype
 
 
 def packed_inputs(model: Any, batch: dict[str, torch.Tensor], prefix: str = "") -> dict[str, Any]:
     """``input_ids``, ``position_ids`` and ``attention_mask`` for ``model`` (its config's attention
     implementation) from a packed batch's ``{prefix}input_ids/position_ids/segment_ids``."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # an engine's
-    implementation = getattr(module.config, "_attn_implementation", None) or "sdpa"
-    dtype = next(module.parameters()).dtype
+    implementation, dtype = attention_of(model)
     return {"input_ids": batch[f"{prefix}input_ids"], "position_ids": batch[f"{prefix}position_ids"],
             "attention_mask": block_causal_mask(batch[f"{prefix}segment_ids"], implementation, dtype)}
 

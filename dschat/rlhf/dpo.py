@@ -25,8 +25,9 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.config import arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
-from dschat.data.packing import check_packing, packed_inputs, unpacked_rows
+from dschat.data.packing import attention_of, check_packing, mask_4d, packed_inputs, takes_4d_mask, unpacked_rows
 from dschat.errors import UserError
+from dschat.logits import token_logps
 from dschat.rewards import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.evaluation import evaluate
@@ -84,28 +85,104 @@ class DataCollatorPairs(DataCollatorReward):
 def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs ``(N,)`` of the answer tokens (after ``prompt_len``, EOS included) of right-padded
-    sequences ``(N, L)``, and the answer lengths ``(N,)``."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=positions_from_mask(attention_mask), use_cache=False).logits
-    logps = L.selective_log_softmax(logits[:, :-1].float(), input_ids[:, 1:])  # (N, L-1): token t+1 given <= t
+    sequences ``(N, L)``, and the answer lengths ``(N,)``; the output layer runs on answer tokens only."""
     target = torch.arange(1, input_ids.shape[1], device=input_ids.device)  # (L-1,) position of each target token
     answer = (target.unsqueeze(0) >= prompt_len.unsqueeze(1)) & attention_mask[:, 1:].bool()  # (N, L-1)
-    return (logps * answer).sum(-1), answer.sum(-1)
+    rows, cols = answer.nonzero(as_tuple=True)  # token cols + 1 of row `rows`, predicted at col
+    logps = token_logps(model, rows, cols, input_ids[rows, cols + 1], input_ids=input_ids,
+                        attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask))
+    sums = torch.zeros(input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, rows, logps)
+    return sums, answer.sum(-1)
+
+
+def pair_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logps`` of a ``(2B, L)`` pair batch (B chosen rows, then their B rejected rows), with each pair
+    run as one sequence that holds its prompt once: prompt, chosen answer, rejected answer, the rejected answer
+    attending to the prompt and to itself, never to the chosen one, at the positions it has in its own row
+    (``shared_prompt_layout``). Every answer token sees what it sees in its own row, so the log-probs are the
+    same; the prompt is computed once instead of twice and the padding of two rows becomes that of one. Falls
+    back to ``sequence_logps`` where the model's attention takes no such mask (flash) or has a sliding window
+    shorter than a pair."""
+    implementation, dtype = attention_of(model)
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    window = getattr(getattr(module, "config", None), "sliding_window", None)
+    layout = shared_prompt_layout(input_ids, attention_mask, prompt_len) if takes_4d_mask(implementation) else None
+    if layout is None or (window and layout["input_ids"].shape[1] > window):
+        return sequence_logps(model, input_ids, attention_mask, prompt_len)
+    mask = shared_prompt_mask(layout["part"], implementation, dtype)
+    logps = token_logps(model, layout["rows"], layout["cols"], layout["targets"], input_ids=layout["input_ids"],
+                        attention_mask=mask, position_ids=layout["position_ids"])
+    sums = torch.zeros(input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(
+        0, layout["owner"], logps)
+    return sums, layout["lengths"]
+
+
+def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         prompt_len: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The ``(B, W)`` one-sequence-per-pair layout of a right-padded ``(2B, L)`` pair batch, or None when a pair's
+    rows do not start with the same ``prompt_len`` tokens.
+
+    ``input_ids``, ``position_ids`` ``(B, W)``; ``part`` ``(B, W)``: 0 prompt, 1 chosen answer, 2 rejected
+    answer, -1 padding; and per answer token (``N`` of them): ``rows``/``cols`` of the position that predicts
+    it, its id ``targets`` and ``owner``, its row of the ``(2B,)`` chosen-first view. ``lengths`` ``(2B,)``:
+    answer tokens per row (the first token of a row is never a target)."""
+    n, L = input_ids.shape
+    B, device = n // 2, input_ids.device
+    real = attention_mask.sum(-1)
+    p = prompt_len[:B]
+    chosen, rejected = input_ids[:B], input_ids[B:]
+    shared = torch.arange(L, device=device).unsqueeze(0) < p.unsqueeze(1)
+    if bool((p > real[:B]).any() or (p > real[B:]).any()) or not torch.equal(chosen[shared], rejected[shared]):
+        return None
+    lc, lx, p_, = real[:B].tolist(), real[B:].tolist(), p.tolist()
+    W = max(a + b - q for a, b, q in zip(lc, lx, p_, strict=True))
+    ids = torch.zeros(B, W, dtype=input_ids.dtype, device=device)
+    pos = torch.zeros(B, W, dtype=torch.long, device=device)
+    part = torch.full((B, W), -1, dtype=torch.long, device=device)
+    rows, cols, targets, owner = [], [], [], []
+    for i, (a, b, q) in enumerate(zip(lc, lx, p_, strict=True)):
+        tail = b - q  # the rejected answer, placed after the chosen row
+        ids[i, :a], ids[i, a: a + tail] = chosen[i, :a], rejected[i, q:b]
+        pos[i, :a] = torch.arange(a, device=device)
+        pos[i, a: a + tail] = torch.arange(q, b, device=device)
+        part[i, :q], part[i, q:a], part[i, a: a + tail] = 0, 1, 2
+        first = max(q, 1)  # the first target token of either answer
+        tc = torch.arange(first, a, device=device)  # chosen targets at their own positions; predicted from t - 1
+        tx = torch.arange(first, b, device=device)  # rejected targets (row positions)
+        src_x = torch.where(tx - 1 < q, tx - 1, a + tx - 1 - q)  # the token before: in the prompt, or placed
+        rows += [torch.full((len(tc) + len(tx),), i, device=device)]
+        cols += [tc - 1, src_x]
+        targets += [chosen[i, tc], rejected[i, tx]]
+        owner += [torch.full((len(tc),), i, device=device), torch.full((len(tx),), B + i, device=device)]
+    lengths = torch.tensor([max(a - max(q, 1), 0) for a, q in zip(lc, p_, strict=True)]
+                           + [max(b - max(q, 1), 0) for b, q in zip(lx, p_, strict=True)], device=device)
+    return {"input_ids": ids, "position_ids": pos, "part": part, "rows": torch.cat(rows), "cols": torch.cat(cols),
+            "targets": torch.cat(targets), "owner": torch.cat(owner), "lengths": lengths}
+
+
+def shared_prompt_mask(part: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask of ``shared_prompt_layout``: causal, and a query sees the prompt and its own answer
+    (``part`` 0, or equal to its own); every query also sees itself, so no row of the softmax is empty."""
+    W = part.shape[1]
+    causal = torch.ones(W, W, dtype=torch.bool, device=part.device).tril()
+    key, query = part.unsqueeze(1), part.unsqueeze(2)
+    itself = torch.eye(W, dtype=torch.bool, device=part.device)
+    return mask_4d((causal & ((key == 0) | ((key == query) & (key > 0)))) | itself, implementation, dtype)
 
 
 def packed_sequence_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logps`` of a ``--packing`` batch (``PackedPairsCollator``): the model runs on the packed
     sequences ``(S, W)``; each answer token's log-prob is summed into its row of the ``(2B,)`` chosen-first view."""
     ids, row, pos = batch["packed_input_ids"], batch["packed_row"], batch["packed_position_ids"]
-    logits = model(**packed_inputs(model, batch, "packed_"), use_cache=False).logits
-    logps = L.selective_log_softmax(logits[:, :-1].float(), ids[:, 1:])  # (S, W-1): token t+1 given <= t
     target = row[:, 1:]  # (S, W-1) the view row of each target token (-1: padding)
     # an answer token of the same row as the token before it (a row's first token follows another row)
     answer = (target >= 0) & (target == row[:, :-1]) & (pos[:, 1:] >= batch["prompt_len"][target.clamp(min=0)])
-    n = batch["input_ids"].shape[0]
-    sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, target[answer], logps[answer])
-    lengths = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(
-        0, target[answer], torch.ones_like(target[answer]))
+    rows, cols = answer.nonzero(as_tuple=True)  # token cols + 1 of packed sequence `rows`, predicted at col
+    logps = token_logps(model, rows, cols, ids[rows, cols + 1], **packed_inputs(model, batch, "packed_"))
+    n, owner = batch["input_ids"].shape[0], target[rows, cols]
+    sums = torch.zeros(n, dtype=logps.dtype, device=logps.device).index_add(0, owner, logps)
+    lengths = torch.zeros(n, dtype=torch.long, device=logps.device).index_add(0, owner, torch.ones_like(owner))
     return sums, lengths
 
 
@@ -150,8 +227,8 @@ def implicit_eval(models: Any, a: DPOArgs, loader: EvalLoader) -> dict[str, Any]
     models.actor.eval()
     for batch, real in lockstep_batches(loader):
         b = to_device(batch, E.device())
-        logps, lengths = sequence_logps(models.actor, b["input_ids"], b["attention_mask"], b["prompt_len"])
-        ref = sequence_logps(models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])[0] \
+        logps, lengths = pair_logps(models.actor, b["input_ids"], b["attention_mask"], b["prompt_len"])
+        ref = pair_logps(models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])[0] \
             if models.ref is not None else None
         out = pair_loss(a, logps, lengths, ref)
         if not real:
@@ -257,7 +334,7 @@ class DPO:
         for i in range(0, len(rows), size):
             chunk = rows[i: i + size]
             b = to_device(collate(chunk), E.device())
-            logps, _ = sequence_logps(self.models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])
+            logps, _ = pair_logps(self.models.ref, b["input_ids"], b["attention_mask"], b["prompt_len"])
             c, x = logps.chunk(2)
             for row, lc, lx in zip(chunk, c.tolist(), x.tolist(), strict=True):
                 row["ref_chosen_logps"], row["ref_rejected_logps"] = lc, lx
@@ -284,7 +361,7 @@ class DPO:
                 logps, lengths = packed_sequence_logps(actor, chunk)
             else:
                 ref = b["ref_logps"][chunk] if "ref_logps" in b else None
-                logps, lengths = sequence_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
+                logps, lengths = pair_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
                                                 b["prompt_len"][chunk])
             out = pair_loss(self.a, logps, lengths, ref)
             step_actor(actor, out.loss, self.ema)

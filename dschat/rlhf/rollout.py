@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dschat.losses import selective_log_softmax
+from dschat.logits import token_logps
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -63,18 +63,20 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
     seq = torch.cat([prompt, answer], dim=1)
     mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
     if logprobs is not None:
-        logprobs = logprobs.float() * (~after_eos)
+        logprobs = logprobs.float() * action_mask  # 0 wherever the action mask is, as answer_logprobs gives
     return Rollout(seq, mask, action_mask, P, reached_eos, logprobs), int(short.sum())
 
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs ``(B, A)`` of the answer tokens under ``model`` (an engine or a module)."""
-    logits = model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
-                   position_ids=positions_from_mask(rollout.attention_mask), use_cache=False).logits
-    logits = logits[:, rollout.prompt_len - 1: -1].float()
-    if temperature != 1.0:  # the sampling distribution was the tempered one
-        logits = logits / temperature
-    return selective_log_softmax(logits, rollout.sequences[:, rollout.prompt_len:])
+    """Log-probs ``(B, A)`` float32 of the answer tokens under ``model`` (an engine or a module); 0 where the
+    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``)."""
+    rows, t = rollout.action_mask.nonzero(as_tuple=True)
+    P = rollout.prompt_len
+    logps = token_logps(model, rows, P - 1 + t, rollout.sequences[rows, P + t], temperature,
+                        input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
+                        position_ids=positions_from_mask(rollout.attention_mask))
+    out = torch.zeros(rollout.action_mask.shape, dtype=logps.dtype, device=logps.device)
+    return out.index_put((rows, t), logps)
 
 
 def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
