@@ -22,7 +22,7 @@ import torch
 from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
-from dschat.data.packing import packed_inputs, unpack
+from dschat.data.packing import common_prefix, packed_inputs, shared_prefix_inputs, unpack
 from dschat.errors import UserError
 from dschat.losses import PairwiseLossOutput, last_token_pairwise_loss, pairwise_loss
 from dschat.reward_model import RewardModel
@@ -81,11 +81,18 @@ def reward_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], rm_loss: s
 
 
 def reward_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """Per-token values ``(2B, T)`` of a ``DataCollatorReward`` batch: the model runs on the packed sequences of a
-    ``--packing`` batch, whose values are then laid out as the right-padded view the losses read."""
+    """Per-token values ``(2B, T)`` of a ``DataCollatorReward`` batch, laid out as the right-padded view the losses
+    read. The model runs on the packed sequences of a ``--packing`` batch; otherwise on one sequence per pair that
+    holds the tokens both rows begin with (the prompt, at least) once (``shared_prefix_layout``: the same values,
+    fewer tokens), or on the rows one by one where that layout does not apply (flash attention)."""
     if "packed_index" in batch:
         return unpack(model(**packed_inputs(model, batch, "packed_")), batch["packed_index"])
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    shared = shared_prefix_inputs(model, ids, mask, common_prefix(ids, mask))
+    if shared is None:
+        return model(input_ids=ids, attention_mask=mask)
+    inputs, index = shared
+    return unpack(model(**inputs), index)
 
 
 def split_pairs(batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -101,6 +101,82 @@ def packed_inputs(model: Any, batch: dict[str, torch.Tensor], prefix: str = "") 
             "attention_mask": block_causal_mask(batch[f"{prefix}segment_ids"], implementation, dtype)}
 
 
+def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: how many first tokens rows ``i`` and ``B + i`` of a right-padded ``(2B, L)`` pair batch share,
+    at most each row's length minus one (every row keeps a last token of its own)."""
+    B = input_ids.shape[0] // 2
+    same = (input_ids[:B] == input_ids[B:]).long().cumprod(-1).sum(-1)
+    real = attention_mask.sum(-1)
+    return torch.minimum(same, torch.minimum(real[:B], real[B:]) - 1).clamp(min=0)
+
+
+def shared_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         shared: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """One sequence per pair for a right-padded ``(2B, L)`` pair batch (B chosen rows, then their B rejected
+    rows) whose rows ``i`` and ``B + i`` begin with the same ``shared[i]`` tokens (the prompt): those tokens once,
+    then the rest of the chosen row, then the rest of the rejected row at the positions it has in its own row.
+    With ``shared_prefix_mask`` each token sees exactly what it sees in its own row, so per-token outputs are
+    those of the two rows, for one copy of the prefix and the padding of one sequence instead of two.
+
+    Returns ``input_ids``, ``position_ids`` and ``part`` (0 shared, 1 chosen, 2 rejected, -1 padding), all
+    ``(B, W)``, and ``index`` ``(2B, L)``: each view position's flat position in the layout (0 at padding), for
+    ``unpack``. None when a pair's rows differ within ``shared``."""
+    n, L = input_ids.shape
+    B, device = n // 2, input_ids.device
+    real = attention_mask.sum(-1)
+    if bool((shared > torch.minimum(real[:B], real[B:])).any()):
+        return None
+    within = torch.arange(L, device=device).unsqueeze(0) < shared.unsqueeze(1)
+    chosen, rejected = input_ids[:B], input_ids[B:]
+    if not torch.equal(chosen[within], rejected[within]):
+        return None
+    lc, lx, ps = real[:B].tolist(), real[B:].tolist(), shared.tolist()
+    W = max(a + b - q for a, b, q in zip(lc, lx, ps, strict=True))
+    ids = torch.zeros(B, W, dtype=input_ids.dtype, device=device)
+    pos = torch.zeros(B, W, dtype=torch.long, device=device)
+    part = torch.full((B, W), -1, dtype=torch.long, device=device)
+    index = torch.zeros(n, L, dtype=torch.long, device=device)
+    for i, (a, b, q) in enumerate(zip(lc, lx, ps, strict=True)):
+        tail = b - q  # the rejected row after the prefix, placed after the chosen row
+        ids[i, :a], ids[i, a: a + tail] = chosen[i, :a], rejected[i, q:b]
+        pos[i, :a] = torch.arange(a, device=device)
+        pos[i, a: a + tail] = torch.arange(q, b, device=device)
+        part[i, :q], part[i, q:a], part[i, a: a + tail] = 0, 1, 2
+        index[i, :a] = i * W + torch.arange(a, device=device)
+        index[B + i, :q] = i * W + torch.arange(q, device=device)
+        index[B + i, q:b] = i * W + a + torch.arange(tail, device=device)
+    return {"input_ids": ids, "position_ids": pos, "part": part, "index": index}
+
+
+def shared_prefix_mask(part: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask of ``shared_prefix_layout``: causal, and a query sees the shared prefix and its own row's
+    part (``part`` 0, or equal to its own); every query also sees itself, so no row of the softmax is empty."""
+    W = part.shape[1]
+    causal = torch.ones(W, W, dtype=torch.bool, device=part.device).tril()
+    itself = torch.eye(W, dtype=torch.bool, device=part.device)
+    key, query = part.unsqueeze(1), part.unsqueeze(2)
+    return mask_4d((causal & ((key == 0) | ((key == query) & (key > 0)))) | itself, implementation, dtype)
+
+
+def shared_prefix_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         shared: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """``model``'s inputs for the ``shared_prefix_layout`` of a pair batch, and its ``index``; None where that
+    layout does not apply: the model's attention takes no 4-D mask (flash), it has a sliding window shorter than
+    a pair's sequence, or a pair's rows differ within ``shared``."""
+    implementation, dtype = attention_of(model)
+    if not takes_4d_mask(implementation):
+        return None
+    lay = shared_prefix_layout(input_ids, attention_mask, shared)
+    if lay is None:
+        return None
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    window = getattr(getattr(module, "config", None), "sliding_window", None)
+    if window and lay["input_ids"].shape[1] > window:
+        return None
+    return {"input_ids": lay["input_ids"], "position_ids": lay["position_ids"],
+            "attention_mask": shared_prefix_mask(lay["part"], implementation, dtype)}, lay["index"]
+
+
 def check_packing(model: Any, max_seq_len: int) -> None:
     """Stop when ``model`` has sliding-window attention shorter than a row may be: one 4-D mask serves every layer
     of a packed batch, so its sliding layers would see past their window (flash attention, which takes no mask,

@@ -25,7 +25,7 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.config import arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
-from dschat.data.packing import attention_of, check_packing, mask_4d, packed_inputs, takes_4d_mask, unpacked_rows
+from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
 from dschat.errors import UserError
 from dschat.logits import token_logps
 from dschat.rewards import RM
@@ -86,89 +86,37 @@ def sequence_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                    prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs ``(N,)`` of the answer tokens (after ``prompt_len``, EOS included) of right-padded
     sequences ``(N, L)``, and the answer lengths ``(N,)``; the output layer runs on answer tokens only."""
-    target = torch.arange(1, input_ids.shape[1], device=input_ids.device)  # (L-1,) position of each target token
-    answer = (target.unsqueeze(0) >= prompt_len.unsqueeze(1)) & attention_mask[:, 1:].bool()  # (N, L-1)
-    rows, cols = answer.nonzero(as_tuple=True)  # token cols + 1 of row `rows`, predicted at col
-    logps = token_logps(model, rows, cols, input_ids[rows, cols + 1], input_ids=input_ids,
-                        attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask))
-    sums = torch.zeros(input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, rows, logps)
-    return sums, answer.sum(-1)
+    return _answer_logps(model, input_ids, attention_mask, prompt_len, shared_prompt=False)
 
 
 def pair_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sequence_logps`` of a ``(2B, L)`` pair batch (B chosen rows, then their B rejected rows), with each pair
-    run as one sequence that holds its prompt once: prompt, chosen answer, rejected answer, the rejected answer
-    attending to the prompt and to itself, never to the chosen one, at the positions it has in its own row
-    (``shared_prompt_layout``). Every answer token sees what it sees in its own row, so the log-probs are the
-    same; the prompt is computed once instead of twice and the padding of two rows becomes that of one. Falls
-    back to ``sequence_logps`` where the model's attention takes no such mask (flash) or has a sliding window
-    shorter than a pair."""
-    implementation, dtype = attention_of(model)
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
-    window = getattr(getattr(module, "config", None), "sliding_window", None)
-    layout = shared_prompt_layout(input_ids, attention_mask, prompt_len) if takes_4d_mask(implementation) else None
-    if layout is None or (window and layout["input_ids"].shape[1] > window):
-        return sequence_logps(model, input_ids, attention_mask, prompt_len)
-    mask = shared_prompt_mask(layout["part"], implementation, dtype)
-    logps = token_logps(model, layout["rows"], layout["cols"], layout["targets"], input_ids=layout["input_ids"],
-                        attention_mask=mask, position_ids=layout["position_ids"])
-    sums = torch.zeros(input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(
-        0, layout["owner"], logps)
-    return sums, layout["lengths"]
+    """``sequence_logps`` of a ``(2B, L)`` pair batch (B chosen rows, then their B rejected rows), each pair run
+    as one sequence that holds its prompt once (``packing.shared_prefix_layout``): the same log-probs, for one
+    prompt instead of two and the padding of one sequence instead of two. The rows one by one where that layout
+    does not apply (flash attention, a short sliding window)."""
+    return _answer_logps(model, input_ids, attention_mask, prompt_len, shared_prompt=True)
 
 
-def shared_prompt_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         prompt_len: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The ``(B, W)`` one-sequence-per-pair layout of a right-padded ``(2B, L)`` pair batch, or None when a pair's
-    rows do not start with the same ``prompt_len`` tokens.
-
-    ``input_ids``, ``position_ids`` ``(B, W)``; ``part`` ``(B, W)``: 0 prompt, 1 chosen answer, 2 rejected
-    answer, -1 padding; and per answer token (``N`` of them): ``rows``/``cols`` of the position that predicts
-    it, its id ``targets`` and ``owner``, its row of the ``(2B,)`` chosen-first view. ``lengths`` ``(2B,)``:
-    answer tokens per row (the first token of a row is never a target)."""
-    n, L = input_ids.shape
-    B, device = n // 2, input_ids.device
-    real = attention_mask.sum(-1)
-    p = prompt_len[:B]
-    chosen, rejected = input_ids[:B], input_ids[B:]
-    shared = torch.arange(L, device=device).unsqueeze(0) < p.unsqueeze(1)
-    if bool((p > real[:B]).any() or (p > real[B:]).any()) or not torch.equal(chosen[shared], rejected[shared]):
-        return None
-    lc, lx, p_, = real[:B].tolist(), real[B:].tolist(), p.tolist()
-    W = max(a + b - q for a, b, q in zip(lc, lx, p_, strict=True))
-    ids = torch.zeros(B, W, dtype=input_ids.dtype, device=device)
-    pos = torch.zeros(B, W, dtype=torch.long, device=device)
-    part = torch.full((B, W), -1, dtype=torch.long, device=device)
-    rows, cols, targets, owner = [], [], [], []
-    for i, (a, b, q) in enumerate(zip(lc, lx, p_, strict=True)):
-        tail = b - q  # the rejected answer, placed after the chosen row
-        ids[i, :a], ids[i, a: a + tail] = chosen[i, :a], rejected[i, q:b]
-        pos[i, :a] = torch.arange(a, device=device)
-        pos[i, a: a + tail] = torch.arange(q, b, device=device)
-        part[i, :q], part[i, q:a], part[i, a: a + tail] = 0, 1, 2
-        first = max(q, 1)  # the first target token of either answer
-        tc = torch.arange(first, a, device=device)  # chosen targets at their own positions; predicted from t - 1
-        tx = torch.arange(first, b, device=device)  # rejected targets (row positions)
-        src_x = torch.where(tx - 1 < q, tx - 1, a + tx - 1 - q)  # the token before: in the prompt, or placed
-        rows += [torch.full((len(tc) + len(tx),), i, device=device)]
-        cols += [tc - 1, src_x]
-        targets += [chosen[i, tc], rejected[i, tx]]
-        owner += [torch.full((len(tc),), i, device=device), torch.full((len(tx),), B + i, device=device)]
-    lengths = torch.tensor([max(a - max(q, 1), 0) for a, q in zip(lc, p_, strict=True)]
-                           + [max(b - max(q, 1), 0) for b, q in zip(lx, p_, strict=True)], device=device)
-    return {"input_ids": ids, "position_ids": pos, "part": part, "rows": torch.cat(rows), "cols": torch.cat(cols),
-            "targets": torch.cat(targets), "owner": torch.cat(owner), "lengths": lengths}
-
-
-def shared_prompt_mask(part: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The attention mask of ``shared_prompt_layout``: causal, and a query sees the prompt and its own answer
-    (``part`` 0, or equal to its own); every query also sees itself, so no row of the softmax is empty."""
-    W = part.shape[1]
-    causal = torch.ones(W, W, dtype=torch.bool, device=part.device).tril()
-    key, query = part.unsqueeze(1), part.unsqueeze(2)
-    itself = torch.eye(W, dtype=torch.bool, device=part.device)
-    return mask_4d((causal & ((key == 0) | ((key == query) & (key > 0)))) | itself, implementation, dtype)
+def _answer_logps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: torch.Tensor,
+                  shared_prompt: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    target = torch.arange(1, input_ids.shape[1], device=input_ids.device)  # (L-1,) position of each target token
+    answer = (target.unsqueeze(0) >= prompt_len.unsqueeze(1)) & attention_mask[:, 1:].bool()  # (N, L-1)
+    rows, cols = answer.nonzero(as_tuple=True)  # token cols + 1 of row `rows` is predicted at col
+    targets = input_ids[rows, cols + 1]
+    shared = shared_prefix_inputs(model, input_ids, attention_mask, prompt_len[: len(prompt_len) // 2]) \
+        if shared_prompt else None
+    if shared is None:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": positions_from_mask(attention_mask)}
+        at = (rows, cols)
+    else:
+        inputs, index = shared
+        flat, width = index[rows, cols], inputs["input_ids"].shape[1]  # the predicting position in the layout
+        at = (flat // width, flat % width)
+    logps = token_logps(model, at[0], at[1], targets, **inputs)
+    sums = torch.zeros(input_ids.shape[0], dtype=logps.dtype, device=logps.device).index_add(0, rows, logps)
+    return sums, answer.sum(-1)
 
 
 def packed_sequence_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ from dschat.config import DataArgs
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.demo import demo_data
 from dschat.logits import causal_lm_loss, selected_logits
-from dschat.rlhf.dpo import DataCollatorPairs, pair_logps, sequence_logps, shared_prompt_layout, shared_prompt_mask
+from dschat.data.packing import common_prefix, shared_prefix_inputs, shared_prefix_layout, shared_prefix_mask, unpack
+from dschat.rlhf.dpo import DataCollatorPairs, pair_logps, sequence_logps
 
 
 @pytest.fixture(scope="module")
@@ -65,29 +66,27 @@ def test_causal_lm_loss_and_gradients_equal_transformers_loss(tiny):
         torch.testing.assert_close(gb[name], ga[name], atol=1e-6, rtol=1e-4)
 
 
-def test_shared_prompt_layout_by_hand():
+def test_shared_prefix_layout_by_hand():
     # pair 0: prompt [5, 6], chosen answer [7, 8], rejected [9]; pair 1: prompt [5], chosen [4], rejected [3, 2]
     ids = torch.tensor([[5, 6, 7, 8], [5, 4, 0, 0], [5, 6, 9, 0], [5, 3, 2, 0]])
     mask = (torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]))
-    lay = shared_prompt_layout(ids, mask, torch.tensor([2, 1, 2, 1]))
+    lay = shared_prefix_layout(ids, mask, torch.tensor([2, 1]))
     assert lay["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 3, 2, 0]]
     assert lay["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 2, 0]]
     assert lay["part"].tolist() == [[0, 0, 1, 1, 2], [0, 1, 2, 2, -1]]
-    # targets and the positions predicting them: chosen 7 <- 6 (col 1), 8 <- 7 (col 2); rejected 9 <- 6 (col 1);
-    # pair 1: chosen 4 <- 5 (col 0); rejected 3 <- 5 (col 0), 2 <- 3 (col 2)
-    got = sorted(zip(lay["owner"].tolist(), lay["rows"].tolist(), lay["cols"].tolist(), lay["targets"].tolist(),
-                     strict=True))
-    assert got == [(0, 0, 1, 7), (0, 0, 2, 8), (1, 1, 0, 4), (2, 0, 1, 9), (3, 1, 0, 3), (3, 1, 2, 2)]
-    assert lay["lengths"].tolist() == [2, 1, 1, 2]
-    m = shared_prompt_mask(lay["part"], "sdpa", torch.float32)[:, 0].int()
+    # each view position's flat layout position (W = 5; padding -> 0)
+    assert lay["index"].tolist() == [[0, 1, 2, 3], [5, 6, 0, 0], [0, 1, 4, 0], [5, 7, 8, 0]]
+    assert unpack(lay["input_ids"], lay["index"]).masked_fill(mask == 0, 0).tolist() == ids.tolist()
+    m = shared_prefix_mask(lay["part"], "sdpa", torch.float32)[:, 0].int()
     assert m[0].tolist() == [[1, 0, 0, 0, 0],
                              [1, 1, 0, 0, 0],
                              [1, 1, 1, 0, 0],
                              [1, 1, 1, 1, 0],
                              [1, 1, 0, 0, 1]]  # the rejected answer sees the prompt and itself, not the chosen one
     assert m[1, 4].tolist() == [1, 0, 0, 0, 1]  # padding sees the prompt and itself
-    # rows whose prompts differ are not laid out together
-    assert shared_prompt_layout(ids, mask, torch.tensor([3, 1, 3, 1])) is None
+    assert common_prefix(ids, mask).tolist() == [2, 1]
+    # rows that differ within the prefix are not laid out together
+    assert shared_prefix_layout(ids, mask, torch.tensor([3, 1])) is None
 
 
 def _full_logps(model, b):
@@ -104,6 +103,8 @@ def test_pair_logps_equal_separate_rows_with_gradients(tiny, attention):
     path, tok = tiny
     b = DataCollatorPairs(tok.pad_token_id)(_rows(tok, 2))
     a, s, p = _model(path, attention), _model(path, attention), _model(path, attention)
+    half = len(b["prompt_len"]) // 2
+    assert shared_prefix_inputs(p, b["input_ids"], b["attention_mask"], b["prompt_len"][:half]) is not None
     expected, n_expected = _full_logps(a, b)
     rows, n_rows = sequence_logps(s, b["input_ids"], b["attention_mask"], b["prompt_len"])
     shared, n_shared = pair_logps(p, b["input_ids"], b["attention_mask"], b["prompt_len"])

@@ -116,13 +116,17 @@ def test_packed_reward_losses_equal_the_padded_ones(tiny, reward_model, rm_loss)
     assert len(packs) < len(rows)
     assert torch.equal(packed["input_ids"], padded["input_ids"])
     with torch.no_grad():
-        va, vb = reward_values(reward_model, padded), reward_values(reward_model, packed)
+        # the rows one by one; the packed sequences; one sequence per pair with its shared prefix once (the default)
+        va = reward_model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"])
+        vb, vc = reward_values(reward_model, packed), reward_values(reward_model, padded)
     real = padded["attention_mask"].bool()
     torch.testing.assert_close(vb[real], va[real], atol=1e-5, rtol=0)
-    a, b = reward_loss(va, padded, rm_loss), reward_loss(vb, packed, rm_loss)
-    assert b.loss.item() == pytest.approx(a.loss.item(), abs=1e-5)
-    torch.testing.assert_close(b.chosen_scores, a.chosen_scores, atol=1e-5, rtol=0)  # chosen and rejected apart
-    torch.testing.assert_close(b.rejected_scores, a.rejected_scores, atol=1e-5, rtol=0)
+    torch.testing.assert_close(vc[real], va[real], atol=1e-5, rtol=0)
+    a = reward_loss(va, padded, rm_loss)
+    for other in (reward_loss(vb, packed, rm_loss), reward_loss(vc, padded, rm_loss)):
+        assert other.loss.item() == pytest.approx(a.loss.item(), abs=1e-5)
+        torch.testing.assert_close(other.chosen_scores, a.chosen_scores, atol=1e-5, rtol=0)  # chosen, rejected apart
+        torch.testing.assert_close(other.rejected_scores, a.rejected_scores, atol=1e-5, rtol=0)
     assert not torch.allclose(a.chosen_scores, a.rejected_scores)
 
 
