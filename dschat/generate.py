@@ -36,7 +36,7 @@ from typing import Any
 
 from dschat.config import DataArgs, ModelArgs, RunArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
-from dschat.rlhf.config import RewardArgs, RLArgs, check_reward_data, reward_settings_inert
+from dschat.rlhf.config import RewardArgs, RLArgs, check_reward_data, check_reward_models, reward_settings_inert
 from dschat.rlhf.rollout import completion_texts, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import JUDGE, RM
 
@@ -121,10 +121,7 @@ def check_generate_config(cfg: GenerateConfig) -> None:
                         "--judge-model (or --keep all for unscored samples)")
     if g.keep == "pairs" and g.num_samples < 2:
         raise UserError("--keep pairs needs --num-samples >= 2 (chosen and rejected are two samples of a prompt)")
-    if JUDGE in names and not cfg.rewards.judge_model:
-        raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
-    if RM in names and not cfg.rewards.reward_model:
-        raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+    check_reward_models(names, cfg.rewards)
     if Path(g.output).expanduser().is_dir():
         raise UserError(f"--output {g.output} is a folder; give a file name (e.g. {g.output.rstrip('/')}/gen.jsonl)")
 
@@ -386,6 +383,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     from dschat.rlhf.engines import Models
     from dschat.rlhf.scoring import build_scorer
     from dschat.stage import to_device
+    from dschat.utils import progress_bar
 
     check_generate_config(cfg)
     g, rl = cfg.gen, cfg.rl
@@ -436,12 +434,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
             f"scores {scorer.describe() if scorer else 'none'} | writing {out.partial}")
 
         counts: Counter[str] = Counter(out.state.get("counts", {}))
-        bar = None
-        if cfg.run.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(rows), initial=start, desc="generate", unit="prompt", file=sys.stderr,
-                       dynamic_ncols=True, mininterval=1.0)
+        bar = progress_bar(cfg.run.progress, len(rows), "generate", initial=start, unit="prompt")
         try:
             for first in range(start, len(rows), B):
                 part = rows[first: first + B]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from dschat.prompts import (
     judge_user_message,
     read_system_prompt,
 )
+from dschat.utils import progress_bar
 
 JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
 TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the completion only (SPEC 6)
@@ -249,11 +249,7 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     else:  # neutral sampling knobs: greedy ignores them and transformers warns when they are set
         kwargs.update(temperature=1.0, top_p=1.0, top_k=0)
     batches = [order[i: i + s.batch_size] for i in range(0, len(order), s.batch_size)]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(prompt_ids), desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    bar = progress_bar(progress, len(prompt_ids), desc)
     was_training = model.training
     model.eval()
     rng = torch.random.get_rng_state()

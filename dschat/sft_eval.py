@@ -8,7 +8,6 @@ disjoint shards on N ranks gives exactly the single-process numbers.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from dschat.errors import UserError
 from dschat.losses import distill_sft_loss
 from dschat.models import frozen_causal_lm, load_tokenizer, resolve_saved_model
 from dschat.stage import eval_loader, lockstep_batches, to_device
+from dschat.utils import progress_bar
 
 
 @torch.no_grad()
@@ -82,11 +82,7 @@ def evaluate_saved_lm(cfg: Any, default_data: Callable[[], Sequence[str]] | None
     dtype = resolve_dtype(cfg.model.dtype, E.device())
     model = frozen_causal_lm(path, dtype, cfg.model.trust_remote_code)
     loader = eval_loader(data.eval, cfg.optim.per_device_eval_batch_size, DataCollatorSFT(tokenizer.pad_token_id))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(data.eval), desc="eval", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    bar = progress_bar(progress, len(data.eval), "eval")
     try:
         result = evaluate_perplexity(model, loader, tick=bar.update if bar is not None else None)
     finally:

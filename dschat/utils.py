@@ -125,3 +125,14 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def progress_bar(enabled: bool, total: int, desc: str, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr (redrawn at most once a second), or None when ``enabled`` is false."""
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0, **kwargs)

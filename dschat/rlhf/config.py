@@ -168,12 +168,17 @@ def check_config(cfg: RLHFConfig) -> None:
     """Stop before any model loads on flag combinations that cannot work."""
     if not cfg.actor.model:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
-    names = cfg.reward_func_names()
-    if JUDGE in names and not cfg.rewards.judge_model:
-        raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
-    if RM in names and not cfg.rewards.reward_model:
-        raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+    check_reward_models(cfg.reward_func_names(), cfg.rewards)
     cfg.algorithm.check_config(cfg)
+
+
+def check_reward_models(names: list[str], rewards: RewardArgs) -> None:
+    """The reward sources ``names`` that score with a model have it (stage 3, ``dschat generate``, ``dschat
+    eval``)."""
+    if RM in names and not rewards.reward_model:
+        raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+    if JUDGE in names and not rewards.judge_model:
+        raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
 
 
 def check_reward_data(names: list[str], rows: list[dict[str, Any]]) -> None:

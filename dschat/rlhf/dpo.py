@@ -298,9 +298,10 @@ class DPO:
         b = to_device(next(stream), E.device())
         B = b["input_ids"].shape[0] // 2
         sums: dict[str, float] = {}
-        if "packs" in b:  # --packing: micro-batches of `size` packed sequences
-            chunks = [to_device(self.packed_collate(b["packs"][i: i + size]), E.device())
-                      for i in range(0, len(b["packs"]), size)]
+        if "packs" in b:  # --packing: micro-batches of `size` packed sequences (the batch itself when it is one)
+            packs = b["packs"]
+            chunks = [b] if len(packs) <= size else [to_device(self.packed_collate(packs[i: i + size]), E.device())
+                                                     for i in range(0, len(packs), size)]
         else:  # micro-batches of `size` pairs: a chunk's chosen rows, then its rejected rows
             chunks = [torch.cat([idx, idx + B]) for idx in torch.arange(B, device=b["input_ids"].device).split(size)]
         for chunk in chunks:
@@ -310,7 +311,7 @@ class DPO:
             else:
                 ref = b["ref_logps"][chunk] if "ref_logps" in b else None
                 logps, lengths = pair_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
-                                                b["prompt_len"][chunk])
+                                            b["prompt_len"][chunk])
             out = pair_loss(self.a, logps, lengths, ref)
             step_actor(actor, out.loss, self.ema)
             for k, v in pair_stats(out, logps, ref).items():

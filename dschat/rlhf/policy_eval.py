@@ -16,7 +16,6 @@ the policy's own samples, and with ``--judge-model`` the judge's win rate, each 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,12 +30,13 @@ from dschat.judge import JUDGE, JudgeReward, load_judge_reward, question_of
 from dschat.models import frozen_causal_lm, frozen_reward_model, load_tokenizer, resolve_saved_model
 from dschat.reward_eval import check_reward_checkpoint
 from dschat.rewards import RM
-from dschat.rlhf.config import check_reward_data
+from dschat.rlhf.config import check_reward_data, check_reward_models
 from dschat.rlhf.engines import Models
 from dschat.rlhf.evaluation import evaluate
 from dschat.rlhf.scoring import build_scorer, same_tokenizer
 from dschat.stage import eval_loader
 from dschat.stats import mean_se, paired_se, pass_at_k, win_rate
+from dschat.utils import progress_bar
 
 SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch seeds of sample 0 plus j * stride
 NOT_PASS_FAIL = (RM, JUDGE, "overlong")  # graded sources: no pass@k
@@ -52,10 +52,7 @@ def reward_sources(rewards: Any) -> list[str]:
 def check_sources(rewards: Any, baseline: str) -> None:
     """Stop before anything loads when a source lacks its model, or when nothing would score the answers."""
     names = reward_sources(rewards)
-    if RM in names and not rewards.reward_model:
-        raise UserError("reward source 'rm' needs --reward-model (a step-2 output)")
-    if JUDGE in names and not rewards.judge_model:
-        raise UserError("reward source 'judge' needs --judge-model (a trained generative judge)")
+    check_reward_models(names, rewards)
     if not names and not (rewards.judge_model and baseline):
         raise UserError("dschat eval --step 3 needs something to score the answers with: --reward-model, "
                         "--reward-funcs, or --judge-model with --baseline")
@@ -215,12 +212,7 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
                            top_p=rl.top_p, top_k=rl.top_k)
     loader = eval_loader(rows, cfg.optim.per_device_eval_batch_size, DataCollatorRLHF(tok.pad_token_id))
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        total = len(rows) * num_samples * (2 if base is not None else 1)
-        bar = tqdm(total=total, desc="sample", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    bar = progress_bar(progress, len(rows) * num_samples * (2 if base is not None else 1), "sample")
     tick = bar.update if bar is not None else None
 
     def sample(models: Models) -> list[dict[str, Any]]:

@@ -90,7 +90,7 @@ def test_pass_fail_sources_and_the_ks_reported():
     (["--step", "3", "--reward-funcs", "format", "--overlong-buffer", "4"],
      "--overlong-buffer has no effect without the reward source 'overlong'"),
     (["--step", "3"], "needs something to score the answers with"),
-    (["--step", "3", "--reward-funcs", "rm"], "reward source 'rm' needs --reward-model"),
+    (["--step", "3", "--reward-funcs", "rm"], "reward function 'rm' needs --reward-model"),
     (["--step", "2"], "dschat eval --step 2 needs --data"),
 ])
 def test_flags_that_do_nothing_are_refused_before_anything_loads(argv, message):
