@@ -15,6 +15,11 @@ Backends (``--generation-backend``):
   model's own weights: the same operations as the HF modules without their per-call machinery (mask building,
   cache objects, hooks). Any other model, or one whose layers are wrapped (LoRA), runs the same loop through its
   HF ``forward`` with a ``DynamicCache``.
+* ``compiled``: the same loop with the lean per-token step compiled by ``torch.compile`` (Llama-architecture models
+  only): static shapes (the cache is allocated in 64-column buckets and every step attends over all of it, unfilled
+  columns masked), element-wise work fused, no per-op dispatch. The first call of each shape compiles (tens of
+  seconds on a CPU); the fused kernels round differently from the eager ones, so samples may differ from ``hf``'s
+  in rare near-ties.
 * ``hf``: ``model.generate`` (HF's loop; no log-probs).
 
 Greedy decoding gives the same tokens as HF ``generate`` (tested). A GPU serving engine (vLLM, DeepSpeed
@@ -30,7 +35,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "dschat", "hf")
+BACKENDS = ("auto", "dschat", "compiled", "hf")
 # torch's own linear. ZeRO-3's zero.Init replaces torch.nn.functional.linear, process-wide and for good, with a
 # memory-saving autograd function (DeepSpeed's "memory_efficient_linear"); under no_grad it is only overhead:
 # Python signature binding per call and a broadcast matmul in place of addmm (2.2x slower decoding measured).
@@ -108,8 +113,10 @@ class LeanLlama:
         self.eps = cfg.rms_norm_eps
         w = self.inner.embed_tokens.weight
         shape = (batch, self.Hkv, total, self.D)
-        self.k = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
-        self.v = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
+        # zeros, not empty: the compiled step attends over every column, unfilled ones masked (garbage there could
+        # be NaN, and a masked NaN still poisons the softmax)
+        self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
+        self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.inner.layers]
         self.keys = torch.zeros(batch, total, dtype=torch.bool, device=w.device)  # which cache columns are real
         self.length = 0
         # rotary cos/sin of every position once (each entry is one product inv_freq * position, so looking it up
@@ -204,6 +211,48 @@ class LeanLlama:
         return _linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float()
 
 
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
+             keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, static shapes (``torch.compile``): ``ids`` (B, 1) at rotary ``positions`` (B,), written
+        to cache column ``column`` (1,), attending over the whole cache where ``keys`` (B, total) is True (this
+        column included). Returns the logits (B, V) in float32 and the updated ``keys``."""
+        B = ids.shape[0]
+        keys = keys.index_fill(1, column, True)
+        emb = self.inner.embed_tokens
+        x = F.embedding(ids, emb.weight, emb.padding_idx)
+        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, D)
+        mask = keys[:, None, None, :]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        for i, layer in enumerate(self.inner.layers):
+            a, f = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm.weight)
+            q = _linear(h, a.q_proj.weight, a.q_proj.bias).view(B, 1, H, D).transpose(1, 2)
+            k = _linear(h, a.k_proj.weight, a.k_proj.bias).view(B, 1, Hkv, D).transpose(1, 2)
+            v = _linear(h, a.v_proj.weight, a.v_proj.bias).view(B, 1, Hkv, D).transpose(1, 2)
+            self.k[i].index_copy_(2, column, self._rotate(k, cos, sin))
+            self.v[i].index_copy_(2, column, v)
+            o = F.scaled_dot_product_attention(self._rotate(q, cos, sin), self.k[i], self.v[i], attn_mask=mask,
+                                               enable_gqa=H != Hkv)
+            x = x + _linear(o.transpose(1, 2).reshape(B, 1, H * D), a.o_proj.weight, a.o_proj.bias)
+            h = self._norm(x, layer.post_attention_layernorm.weight)
+            x = x + _linear(F.silu(_linear(h, f.gate_proj.weight)) * _linear(h, f.up_proj.weight),
+                             f.down_proj.weight)
+        last = self._norm(x[:, -1], self.inner.norm.weight)
+        return _linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float(), keys
+
+
+_compiled_step: Any = None
+
+
+def compiled_step() -> Any:
+    """``LeanLlama.step`` through ``torch.compile``, made once per process (its compiled graphs are cached by the
+    shapes they were made for)."""
+    global _compiled_step
+    if _compiled_step is None:
+        _compiled_step = torch.compile(LeanLlama.step)
+    return _compiled_step
+
+
 class HFForward:
     """The same contract through the model's own ``forward`` and a ``DynamicCache`` (any causal LM)."""
 
@@ -231,10 +280,20 @@ def _eos_ids(eos_token_id: int | list[int], device: torch.device) -> torch.Tenso
 class DschatBackend:
     name = "dschat"
 
-    def __init__(self, lean: bool = True):
-        self.lean = lean
+    def __init__(self, lean: bool = True, compiled: bool = False):
+        self.lean, self.compiled = lean, compiled
+        if compiled:
+            self.name = "compiled"
 
     def decoder(self, module: torch.nn.Module, batch: int, total: int) -> LeanLlama | HFForward:
+        if self.compiled:
+            ok, why = LeanLlama.supported(module, total)
+            if not ok:
+                from dschat.errors import UserError
+
+                raise UserError(f"--generation-backend compiled needs a Llama-architecture model (llama, mistral, "
+                                f"qwen2 layouts) without wrapped layers; this one has {why}: use dschat")
+            return LeanLlama(module, batch, -(-total // 64) * 64)  # 64-column buckets: few shapes to compile
         if self.lean and LeanLlama.supported(module, total)[0]:
             return LeanLlama(module, batch, total)
         return HFForward(module, batch, total)
@@ -248,6 +307,7 @@ class DschatBackend:
         eos = _eos_ids(eos_token_id, prompt.device)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = dec.forward(prompt, positions, prompt_mask)
+        keys = dec.keys.clone() if self.compiled else None  # the compiled step's cache mask, passed along
         position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
         tokens, logps = [], []
@@ -262,7 +322,12 @@ class DschatBackend:
             done = done | (tok == eos[0] if eos.numel() == 1 else torch.isin(tok, eos))
             if t == N - 1 or bool(done.all()):
                 break
-            logits = dec.forward(tok[:, None], position, ones)
+            if self.compiled:
+                assert isinstance(dec, LeanLlama)
+                column = torch.tensor([P + t], device=prompt.device)
+                logits, keys = compiled_step()(dec, tok[:, None], position[:, 0], column, keys)
+            else:
+                logits = dec.forward(tok[:, None], position, ones)
             position = position + 1
         answer = torch.stack(tokens, dim=1)
         return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1) if logps else None)
@@ -283,7 +348,8 @@ class HFBackend:
 
 
 def make_backend(name: str) -> Backend:
-    """``auto`` and ``dschat`` are our loop; ``hf`` is transformers' ``generate``."""
+    """``auto`` and ``dschat`` are our loop, ``compiled`` the same with its per-token step compiled; ``hf`` is
+    transformers' ``generate``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown generation backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return HFBackend() if name == "hf" else DschatBackend()
+    return HFBackend() if name == "hf" else DschatBackend(compiled=name == "compiled")

@@ -40,8 +40,11 @@ class RLArgs:
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
     generation_backend: str = arg("auto", "Decode loop of the fallback: dschat (our loop: a preallocated KV cache, "
                                           "a lean per-token forward for Llama-architecture models, the sampling "
-                                          "pass's log-probs reused as PPO's old log-probs in fp32), hf "
-                                          "(transformers' generate); auto = dschat.", choices=BACKENDS)
+                                          "pass's log-probs reused as PPO's old log-probs in fp32), compiled "
+                                          "(the same loop with its per-token step compiled by torch.compile: "
+                                          "Llama-architecture models, tens of seconds to compile on first use, "
+                                          "samples may differ from hf's in near-ties), hf (transformers' "
+                                          "generate); auto = dschat.", choices=BACKENDS)
 
 
 @dataclass

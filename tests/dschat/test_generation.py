@@ -155,3 +155,31 @@ def test_warpers_match_hf():
     cfg = GenerationConfig(temperature=0.7, top_k=10, top_p=0.8)
     want = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, TemperatureLogitsWarper(0.7)(None, logits)))
     assert torch.equal(torch.isinf(warp_logits(logits, cfg)), torch.isinf(want))
+
+
+@pytest.mark.slow  # compiles the decode step (~20 s of two CPU cores)
+def test_compiled_backend_matches_the_eager_loop():
+    """--generation-backend compiled: greedy tokens equal to the eager lean loop's (left padding, EOS mid-answer),
+    sampled tokens and their log-probs from the same seed equal to float rounding; a model the lean step cannot run
+    is refused with one line."""
+    from dschat.errors import UserError
+    from dschat.generation import make_backend
+
+    model = model_of("llama_gqa_rope3")
+    ids, mask = prompts()
+    eager, compiled = DschatBackend(), make_backend("compiled")
+    with torch.no_grad():
+        free = eager.generate(model, ids, mask, GenerationConfig(max_new_tokens=20, do_sample=False), 1, PAD)
+        eos = int(free.sequences[0, ids.shape[1] + 4])
+        greedy = GenerationConfig(max_new_tokens=20, do_sample=False)
+        want = eager.generate(model, ids, mask, greedy, eos, PAD).sequences
+        assert torch.equal(compiled.generate(model, ids, mask, greedy, eos, PAD).sequences, want)
+        sample = GenerationConfig(max_new_tokens=20, temperature=0.9, logprobs=True)
+        torch.manual_seed(5)
+        a = eager.generate(model, ids, mask, sample, 1, PAD)
+        torch.manual_seed(5)
+        b = compiled.generate(model, ids, mask, sample, 1, PAD)
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(UserError, match="--generation-backend compiled needs a Llama-architecture model"):
+        compiled.generate(model_of("gpt2"), ids, mask, greedy, eos, PAD)
