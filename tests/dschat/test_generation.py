@@ -181,5 +181,11 @@ def test_compiled_backend_matches_the_eager_loop():
         b = compiled.generate(model, ids, mask, sample, 1, PAD)
     assert torch.equal(a.sequences, b.sequences)
     torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    with torch.no_grad():  # an optimizer step between generations: the compiled step reads the new weights
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        after = eager.generate(model, ids, mask, greedy, eos, PAD).sequences
+        assert not torch.equal(after, want)
+        assert torch.equal(compiled.generate(model, ids, mask, greedy, eos, PAD).sequences, after)
     with pytest.raises(UserError, match="--generation-backend compiled needs a Llama-architecture model"):
         compiled.generate(model_of("gpt2"), ids, mask, greedy, eos, PAD)
