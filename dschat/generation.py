@@ -16,10 +16,10 @@ Backends (``--generation-backend``):
   cache objects, hooks). Any other model, or one whose layers are wrapped (LoRA), runs the same loop through its
   HF ``forward`` with a ``DynamicCache``.
 * ``compiled``: the same loop with the lean per-token step compiled by ``torch.compile`` (Llama-architecture models
-  only): static shapes (the cache is allocated in 64-column buckets and every step attends over all of it, unfilled
-  columns masked), element-wise work fused, no per-op dispatch. The first call of each shape compiles (tens of
-  seconds on a CPU); the fused kernels round differently from the eager ones, so samples may differ from ``hf``'s
-  in rare near-ties.
+  only): static shapes within a call (the cache is allocated in 64-column buckets and every step attends over all
+  of it, unfilled columns masked), element-wise work fused, no per-op dispatch. The first call compiles, and a
+  second (batch, bucket) shape once more, into a dynamic-shape graph (each 10-20 s on a CPU); the fused kernels
+  round differently from the eager ones, so samples may differ from ``hf``'s in rare near-ties.
 * ``hf``: ``model.generate`` (HF's loop; no log-probs).
 
 Greedy decoding gives the same tokens as HF ``generate`` (tested). A GPU serving engine (vLLM, DeepSpeed

@@ -8,7 +8,8 @@ gradient checkpointing behave as ever) but hands the output layer only the hidde
 a forward pre-hook on the model's output embedding, removed afterwards. The logits there are the same numbers as
 the full ``(B, T, V)`` logits at those positions (the same row of the same product).
 
-Models without ``get_output_embeddings`` get the full logits, indexed afterwards.
+Models without ``get_output_embeddings`` (or whose forward does not call the module it names) get the full logits,
+indexed afterwards.
 """
 
 from __future__ import annotations
@@ -36,14 +37,19 @@ def selected_logits(model: Any, rows: torch.Tensor, cols: torch.Tensor, **inputs
     if head is None:
         return model(**inputs, use_cache=False).logits[rows, cols]
 
+    fired = []
+
     def select(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        fired.append(True)
         return (args[0][rows, cols], *args[1:])
 
     handle = head.register_forward_pre_hook(select)
     try:
-        return model(**inputs, use_cache=False).logits
+        logits = model(**inputs, use_cache=False).logits
     finally:
         handle.remove()
+    # a model whose forward does not call the module it names as its output embedding gave every position
+    return logits if fired else logits[rows, cols]
 
 
 def token_logps(model: Any, rows: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor,
@@ -59,7 +65,11 @@ def token_logps(model: Any, rows: torch.Tensor, cols: torch.Tensor, targets: tor
 def causal_lm_loss(model: Any, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
     """Mean next-token cross-entropy over the labels that are not -100 (``labels (B, T)`` aligned with the input:
     position ``t``'s logits predict ``labels[t + 1]``), as transformers' causal-LM loss computes it, with the
-    output layer run only at those positions."""
+    output layer run only at those positions. Mixture-of-experts models that add their router's auxiliary loss
+    (``output_router_logits``) get transformers' loss, which includes it."""
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    if getattr(getattr(module, "config", None), "output_router_logits", False):
+        return model(**inputs, labels=labels, use_cache=False).loss
     rows, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)
     logits = selected_logits(model, rows, cols, **inputs).float()
     return F.cross_entropy(logits, labels[rows, cols + 1])

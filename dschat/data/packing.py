@@ -164,7 +164,7 @@ def shared_prefix_inputs(model: Any, input_ids: torch.Tensor, attention_mask: to
     layout does not apply: the model's attention takes no 4-D mask (flash), it has a sliding window shorter than
     a pair's sequence, or a pair's rows differ within ``shared``."""
     implementation, dtype = attention_of(model)
-    if not takes_4d_mask(implementation):
+    if not takes_4d_mask(implementation) or not positions_from_ids(model):
         return None
     lay = shared_prefix_layout(input_ids, attention_mask, shared)
     if lay is None:
@@ -173,16 +173,42 @@ def shared_prefix_inputs(model: Any, input_ids: torch.Tensor, attention_mask: to
     window = getattr(getattr(module, "config", None), "sliding_window", None)
     if window and lay["input_ids"].shape[1] > window:
         return None
+    # Attention over one long sequence per pair costs W^2 where the rows cost a^2 + b^2: worth it while the
+    # prefix is a fair share of the rows (the fewer tokens through the layers pay for it), not for a short prompt
+    # before long answers, where attention would do up to twice the rows' work.
+    real = attention_mask.sum(-1).double()
+    B = len(shared)
+    width = real[:B] + real[B:] - shared.double()
+    if float((width**2).sum()) > 1.25 * float((real**2).sum()):
+        return None
     return {"input_ids": lay["input_ids"], "position_ids": lay["position_ids"],
             "attention_mask": shared_prefix_mask(lay["part"], implementation, dtype)}, lay["index"]
+
+
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def positions_from_ids(model: Any) -> bool:
+    """Whether ``model`` places tokens by its ``position_ids`` (rotary or learned positions), which packed and
+    shared-prefix layouts set per row. ALiBi models (Bloom, MPT, Falcon with ``alibi``) derive the positions
+    from a 2-D attention mask instead, which those layouts do not have."""
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    config = getattr(module, "config", None)
+    if config is None:
+        return False
+    return not (getattr(config, "alibi", False) or getattr(config, "model_type", "") in ALIBI_MODEL_TYPES)
 
 
 def check_packing(model: Any, max_seq_len: int) -> None:
     """Stop when ``model`` has sliding-window attention shorter than a row may be: one 4-D mask serves every layer
     of a packed batch, so its sliding layers would see past their window (flash attention, which takes no mask,
-    keeps them; the check does not look at that)."""
+    keeps them; the check does not look at that), and for ALiBi models (``positions_from_ids``)."""
     module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
     config = getattr(module, "config", None)
+    if not positions_from_ids(model):
+        raise UserError(f"--packing: {getattr(config, 'model_type', 'this model')} derives token positions from a "
+                        "2-D attention mask (ALiBi), which packed sequences do not have; train without --packing "
+                        "(--group-by-length batches rows of similar length instead)")
     window = getattr(config, "sliding_window", None)
     if not window or window >= max_seq_len or getattr(config, "use_sliding_window", True) is False:
         return

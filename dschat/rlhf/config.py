@@ -172,6 +172,9 @@ def check_config(cfg: RLHFConfig) -> None:
     if not cfg.actor.model:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
     check_reward_models(cfg.reward_func_names(), cfg.rewards)
+    if cfg.rl.generation_backend == "compiled" and cfg.actor_lora.lora_dim > 0:
+        raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its layers; "
+                        "use --generation-backend dschat with --actor-lora-dim")
     cfg.algorithm.check_config(cfg)
 
 

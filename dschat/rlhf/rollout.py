@@ -63,7 +63,7 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
     seq = torch.cat([prompt, answer], dim=1)
     mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
     if logprobs is not None:
-        logprobs = logprobs.float() * action_mask  # 0 wherever the action mask is, as answer_logprobs gives
+        logprobs = logprobs.float().masked_fill(action_mask == 0, 0.0)  # 0 where masked, as answer_logprobs gives
     return Rollout(seq, mask, action_mask, P, reached_eos, logprobs), int(short.sum())
 
 

@@ -189,3 +189,15 @@ def test_compiled_backend_matches_the_eager_loop():
         assert torch.equal(compiled.generate(model, ids, mask, greedy, eos, PAD).sequences, after)
     with pytest.raises(UserError, match="--generation-backend compiled needs a Llama-architecture model"):
         compiled.generate(model_of("gpt2"), ids, mask, greedy, eos, PAD)
+
+
+def test_compiled_backend_with_lora_refused_before_loading():
+    from dschat.config import build_config
+    from dschat.errors import UserError
+    from dschat.rlhf.config import RLHFConfig, check_config
+
+    cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "generation_backend": "compiled",
+                                    "actor_lora_dim": 8})
+    with pytest.raises(UserError, match="--generation-backend compiled runs the actor's plain weights"):
+        check_config(cfg)
+    check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "generation_backend": "compiled"}))

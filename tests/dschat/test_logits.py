@@ -118,3 +118,59 @@ def test_pair_logps_equal_separate_rows_with_gradients(tiny, attention):
     for name in ga:
         torch.testing.assert_close(gs[name], ga[name], atol=1e-5, rtol=1e-3)
         torch.testing.assert_close(gp[name], ga[name], atol=1e-5, rtol=1e-3)
+
+
+def test_alibi_models_run_pairs_row_by_row_and_refuse_packing(tiny):
+    """Bloom derives positions from a 2-D attention mask (ALiBi): the shared-prefix layout would break it, so its
+    pairs run one by one (same log-probs as sequence_logps) and --packing is refused with one line."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from dschat.data.packing import check_packing
+    from dschat.errors import UserError
+
+    _, tok = tiny
+    b = DataCollatorPairs(tok.pad_token_id)(_rows(tok, 2, n=3))
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=len(tok), hidden_size=32, n_layer=2, n_head=4)).eval()
+    half = len(b["prompt_len"]) // 2
+    assert shared_prefix_inputs(model, b["input_ids"], b["attention_mask"], b["prompt_len"][:half]) is None
+    with torch.no_grad():
+        rows = sequence_logps(model, b["input_ids"], b["attention_mask"], b["prompt_len"])[0]
+        pairs = pair_logps(model, b["input_ids"], b["attention_mask"], b["prompt_len"])[0]
+    assert torch.equal(pairs, rows)
+    with pytest.raises(UserError, match="--packing: bloom derives token positions"):
+        check_packing(model, 256)
+
+
+def test_short_prefix_before_long_answers_runs_row_by_row():
+    """One sequence per pair costs attention W^2 for the rows' a^2 + b^2: with a one-token prompt before long
+    answers that would nearly double it, so the rows run one by one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32))
+    ids = torch.randint(3, 50, (2, 40))
+    ids[1, :20] = ids[0, :20]  # two 40-token rows that share their first 20 tokens
+    mask = torch.ones_like(ids)
+    # a 1-token prefix: W = 79, 79^2 > 1.25 * (40^2 + 40^2); the layout itself exists, but is not used
+    assert shared_prefix_layout(ids, mask, torch.tensor([1])) is not None
+    assert shared_prefix_inputs(model, ids, mask, torch.tensor([1])) is None
+    # the 20-token prefix: W = 60, 60^2 <= 1.25 * 3200
+    assert shared_prefix_inputs(model, ids, mask, torch.tensor([20])) is not None
+
+
+def test_moe_router_loss_kept_in_sft():
+    """Mixture-of-experts models with output_router_logits add the router's auxiliary loss to transformers'
+    causal-LM loss; causal_lm_loss keeps it."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                             num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                             router_aux_loss_coef=0.5)).eval()
+    ids = torch.randint(3, 50, (2, 12))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    want = model(input_ids=ids, labels=labels, use_cache=False).loss
+    assert causal_lm_loss(model, labels, input_ids=ids).item() == pytest.approx(want.item(), abs=1e-6)
