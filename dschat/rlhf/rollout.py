@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dschat.data.packing import attention_of, positions_from_ids, shared_prefix_mask, takes_4d_mask
 from dschat.logits import token_logps
 
 
@@ -69,14 +70,84 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``(B, A)`` float32 of the answer tokens under ``model`` (an engine or a module); 0 where the
-    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``)."""
+    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``). Consecutive rows with the
+    same prompt (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``)."""
     rows, t = rollout.action_mask.nonzero(as_tuple=True)
     P = rollout.prompt_len
-    logps = token_logps(model, rows, P - 1 + t, rollout.sequences[rows, P + t], temperature,
-                        input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
-                        position_ids=positions_from_mask(rollout.attention_mask))
+    shared = shared_prompt_inputs(model, rollout)
+    if shared is None:
+        inputs = {"input_ids": rollout.sequences, "attention_mask": rollout.attention_mask,
+                  "position_ids": positions_from_mask(rollout.attention_mask)}
+        at = (rows, P - 1 + t)
+    else:
+        inputs, flat_of = shared
+        flat, width = flat_of[rows, P - 1 + t], inputs["input_ids"].shape[1]  # the predicting position's place
+        at = (flat // width, flat % width)
+    logps = token_logps(model, at[0], at[1], rollout.sequences[rows, P + t], temperature, **inputs)
     out = torch.zeros(rollout.action_mask.shape, dtype=logps.dtype, device=logps.device)
     return out.index_put((rows, t), logps)
+
+
+def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """The rollout's rows laid out with each prompt once: consecutive rows with the same prompt (GRPO's G
+    completions) share one sequence, the prompt's real tokens then each row's answer tokens (action mask), each
+    answer attending to the prompt and to itself at its own row's positions (``packing.shared_prefix_mask``), so
+    every answer token's logits are those of its own row. A sequence takes rows while its attention area stays
+    within 1.25x theirs (long answers after a short prompt stay apart). Returns the model's inputs and ``flat_of``
+    ``(B, P + A)``: each real token's flat position in the layout; None when no two rows share a sequence or the
+    model cannot take the layout (see ``packing.shared_prefix_inputs``)."""
+    seq, P, B = rollout.sequences, rollout.prompt_len, rollout.sequences.shape[0]
+    prompt, prompt_mask = seq[:, :P], rollout.attention_mask[:, :P]
+    if B < 2 or P == 0:
+        return None
+    same = (prompt[1:] == prompt[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # row r+1 as r
+    if not bool(same.any()):
+        return None
+    implementation, dtype = attention_of(model)
+    if not takes_4d_mask(implementation) or not positions_from_ids(model):
+        return None
+    p_len, a_len = prompt_mask.sum(-1).tolist(), rollout.action_mask.sum(-1).tolist()
+    if min(p_len) == 0:
+        return None
+
+    def pays(rows: list[int]) -> bool:
+        p = p_len[rows[0]]
+        return (p + sum(a_len[r] for r in rows)) ** 2 <= 1.25 * sum((p + a_len[r]) ** 2 for r in rows)
+
+    groups, current = [], [0]
+    for r in range(1, B):
+        if bool(same[r - 1]) and pays([*current, r]):
+            current.append(r)
+        else:
+            groups.append(current)
+            current = [r]
+    groups.append(current)
+    if len(groups) == B:
+        return None
+    W = max(p_len[g[0]] + sum(a_len[r] for r in g) for g in groups)
+    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    window = getattr(getattr(module, "config", None), "sliding_window", None)
+    if window and W > window:
+        return None
+    dev = seq.device
+    ids = torch.zeros(len(groups), W, dtype=seq.dtype, device=dev)
+    pos = torch.zeros(len(groups), W, dtype=torch.long, device=dev)
+    part = torch.full((len(groups), W), -1, dtype=torch.long, device=dev)
+    flat_of = torch.zeros(seq.shape, dtype=torch.long, device=dev)
+    for s, g in enumerate(groups):
+        p = p_len[g[0]]
+        ids[s, :p], pos[s, :p], part[s, :p] = prompt[g[0], P - p:], torch.arange(p, device=dev), 0
+        at = p
+        for j, r in enumerate(g):
+            a = a_len[r]
+            ids[s, at: at + a] = seq[r, P: P + a]
+            pos[s, at: at + a] = torch.arange(p, p + a, device=dev)
+            part[s, at: at + a] = j + 1
+            flat_of[r, P - p: P] = s * W + torch.arange(p, device=dev)
+            flat_of[r, P: P + a] = s * W + at + torch.arange(a, device=dev)
+            at += a
+    return {"input_ids": ids, "position_ids": pos,
+            "attention_mask": shared_prefix_mask(part, implementation, dtype)}, flat_of
 
 
 def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:

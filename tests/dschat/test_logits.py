@@ -174,3 +174,41 @@ def test_moe_router_loss_kept_in_sft():
     labels[:, :4] = -100
     want = model(input_ids=ids, labels=labels, use_cache=False).loss
     assert causal_lm_loss(model, labels, input_ids=ids).item() == pytest.approx(want.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_group_completions_share_their_prompt_with_the_same_logprobs(tiny, attention):
+    """GRPO's G completions of a prompt run with the prompt once (rollout.shared_prompt_inputs): answer log-probs and
+    gradients equal a full forward of the rows one by one; rows ending at different steps, an answer dropped as
+    too short and left-padded prompts of different lengths included."""
+    from dschat.rlhf.rollout import answer_logprobs, make_rollout, positions_from_mask, shared_prompt_inputs
+
+    path, tok = tiny
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(5, 200, (2, 7), generator=g)
+    prompt_mask = torch.ones_like(prompts)
+    prompts[1, :3], prompt_mask[1, :3] = tok.pad_token_id, 0  # the second prompt is 4 tokens, left-padded
+    G, A, eos = 4, 6, tok.eos_token_id
+    answers = torch.randint(5, 200, (2 * G, A), generator=g)
+    answers[0, 2] = eos  # ends after 3 tokens
+    answers[5, 0] = eos  # one token: dropped by min_answer_len 2
+    rollout, dropped = make_rollout(prompts.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
+                                    torch.cat([prompts.repeat_interleave(G, 0), answers], 1), eos,
+                                    tok.pad_token_id)
+    assert dropped == 1
+    a, b = _model(path, attention), _model(path, attention)
+    shared = shared_prompt_inputs(b, rollout)
+    assert shared is not None and shared[0]["input_ids"].shape[0] < 2 * G  # some rows share a sequence
+    logits = a(input_ids=rollout.sequences, attention_mask=rollout.attention_mask,
+               position_ids=positions_from_mask(rollout.attention_mask), use_cache=False).logits
+    P = rollout.prompt_len
+    full = logits[:, P - 1: -1].float().log_softmax(-1).gather(-1, rollout.sequences[:, P:, None]).squeeze(-1)
+    expected = full * rollout.action_mask
+    got = answer_logprobs(b, rollout)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    weights = torch.linspace(-1.0, 1.0, expected.numel()).view_as(expected)
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    ga, gb = _grads(a), _grads(b)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], atol=1e-5, rtol=1e-3)
