@@ -70,8 +70,8 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``(B, A)`` float32 of the answer tokens under ``model`` (an engine or a module); 0 where the
-    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``). Consecutive rows with the
-    same prompt (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``)."""
+    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``). Rows with the same prompt
+    (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``)."""
     rows, t = rollout.action_mask.nonzero(as_tuple=True)
     P = rollout.prompt_len
     shared = shared_prompt_inputs(model, rollout)
@@ -89,19 +89,20 @@ def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> t
 
 
 def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
-    """The rollout's rows laid out with each prompt once: consecutive rows with the same prompt (GRPO's G
-    completions) share one sequence, the prompt's real tokens then each row's answer tokens (action mask), each
-    answer attending to the prompt and to itself at its own row's positions (``packing.shared_prefix_mask``), so
-    every answer token's logits are those of its own row. A sequence takes rows while its attention area stays
-    within 1.25x theirs (long answers after a short prompt stay apart). Returns the model's inputs and ``flat_of``
-    ``(B, P + A)``: each real token's flat position in the layout; None when no two rows share a sequence or the
-    model cannot take the layout (see ``packing.shared_prefix_inputs``)."""
+    """The rollout's rows laid out with each prompt once: rows with the same prompt (GRPO's G completions, in
+    whatever order a shuffled minibatch holds them) share one sequence, the prompt's real tokens then each row's
+    answer tokens (action mask), each answer attending to the prompt and to itself at its own row's positions
+    (``packing.shared_prefix_mask``), so every answer token's logits are those of its own row. A sequence takes
+    rows while its attention area stays within 1.25x theirs (long answers after a short prompt stay apart).
+    Returns the model's inputs and ``flat_of`` ``(B, P + A)``: each real token's flat position in the layout; None
+    when no two rows share a sequence or the model cannot take the layout (see ``packing.shared_prefix_inputs``)."""
     seq, P, B = rollout.sequences, rollout.prompt_len, rollout.sequences.shape[0]
     prompt, prompt_mask = seq[:, :P], rollout.attention_mask[:, :P]
     if B < 2 or P == 0:
         return None
-    same = (prompt[1:] == prompt[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # row r+1 as r
-    if not bool(same.any()):
+    key = torch.cat([prompt, prompt_mask.to(prompt.dtype)], dim=1)
+    _, same_prompt = torch.unique(key, dim=0, return_inverse=True)  # (B,) one id per distinct prompt
+    if int(same_prompt.max()) + 1 == B:  # every prompt once
         return None
     implementation, dtype = attention_of(model)
     if not takes_4d_mask(implementation) or not positions_from_ids(model):
@@ -114,14 +115,15 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
         p = p_len[rows[0]]
         return (p + sum(a_len[r] for r in rows)) ** 2 <= 1.25 * sum((p + a_len[r]) ** 2 for r in rows)
 
-    groups, current = [], [0]
-    for r in range(1, B):
-        if bool(same[r - 1]) and pays([*current, r]):
+    groups: list[list[int]] = []
+    open_group: dict[int, list[int]] = {}  # the sequence each prompt is filling
+    for r, u in enumerate(same_prompt.tolist()):
+        current = open_group.get(u)
+        if current is not None and pays([*current, r]):
             current.append(r)
         else:
-            groups.append(current)
-            current = [r]
-    groups.append(current)
+            open_group[u] = [r]
+            groups.append(open_group[u])
     if len(groups) == B:
         return None
     W = max(p_len[g[0]] + sum(a_len[r] for r in g) for g in groups)
