@@ -24,6 +24,7 @@ from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
 from dschat.errors import UserError
+from dschat.utils import unwrap  # noqa: F401  (E.unwrap, the engine helpers' name for it)
 
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
@@ -291,11 +292,6 @@ def build_eval_engine(model: torch.nn.Module, *, zero_stage: int, offload: bool,
     model.to(device=device(), dtype=dtype)
     model.eval()
     return model
-
-
-def unwrap(model: Any) -> torch.nn.Module:
-    """The plain module inside an engine (or the module itself)."""
-    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
 def is_hybrid_engine(model: Any) -> bool:

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from dschat.losses import selective_log_softmax
+from dschat.utils import unwrap
 
 
 def output_layer(model: Any) -> torch.nn.Module | None:
     """The LM head of ``model`` (a module or a DeepSpeed engine), or None when it does not say."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    module = unwrap(model)
     get = getattr(module, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, torch.nn.Module) else None
@@ -67,7 +68,7 @@ def causal_lm_loss(model: Any, labels: torch.Tensor, **inputs: Any) -> torch.Ten
     position ``t``'s logits predict ``labels[t + 1]``), as transformers' causal-LM loss computes it, with the
     output layer run only at those positions. Mixture-of-experts models that add their router's auxiliary loss
     (``output_router_logits``) get transformers' loss, which includes it."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    module = unwrap(model)
     if getattr(getattr(module, "config", None), "output_router_logits", False):
         return model(**inputs, labels=labels, use_cache=False).loss
     rows, cols = (labels[:, 1:] != -100).nonzero(as_tuple=True)

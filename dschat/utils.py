@@ -136,3 +136,11 @@ def progress_bar(enabled: bool, total: int, desc: str, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0, **kwargs)
+
+
+def unwrap(model: Any) -> Any:
+    """The plain module inside a DeepSpeed engine (or the module itself)."""
+    import torch
+
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Sampler
 
 from dschat.errors import UserError
+from dschat.utils import unwrap
 
 
 def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -89,7 +90,7 @@ def mask_4d(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> t
 
 def attention_of(model: Any) -> tuple[str, torch.dtype]:
     """The attention implementation of ``model`` (a module or an engine) and its parameters' dtype."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # an engine's
+    module = unwrap(model)
     return getattr(module.config, "_attn_implementation", None) or "sdpa", next(module.parameters()).dtype
 
 
@@ -161,28 +162,34 @@ def shared_prefix_mask(part: torch.Tensor, implementation: str, dtype: torch.dty
 def shared_prefix_inputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          shared: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
     """``model``'s inputs for the ``shared_prefix_layout`` of a pair batch, and its ``index``; None where that
-    layout does not apply: the model's attention takes no 4-D mask (flash), it has a sliding window shorter than
-    a pair's sequence, or a pair's rows differ within ``shared``."""
-    implementation, dtype = attention_of(model)
-    if not takes_4d_mask(implementation) or not positions_from_ids(model):
+    layout does not apply (``layout_attention``), does not pay, or a pair's rows differ within ``shared``."""
+    real = attention_mask.sum(-1).double()
+    B = len(shared)
+    width = real[:B] + real[B:] - shared.double()
+    attention = layout_attention(model, int(width.max()))
+    # Attention over one long sequence per pair costs W^2 where the rows cost a^2 + b^2: worth it while the
+    # prefix is a fair share of the rows (the fewer tokens through the layers pay for it), not for a short prompt
+    # before long answers, where attention would do up to twice the rows' work.
+    if attention is None or float((width**2).sum()) > 1.25 * float((real**2).sum()):
         return None
     lay = shared_prefix_layout(input_ids, attention_mask, shared)
     if lay is None:
         return None
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
-    window = getattr(getattr(module, "config", None), "sliding_window", None)
-    if window and lay["input_ids"].shape[1] > window:
-        return None
-    # Attention over one long sequence per pair costs W^2 where the rows cost a^2 + b^2: worth it while the
-    # prefix is a fair share of the rows (the fewer tokens through the layers pay for it), not for a short prompt
-    # before long answers, where attention would do up to twice the rows' work.
-    real = attention_mask.sum(-1).double()
-    B = len(shared)
-    width = real[:B] + real[B:] - shared.double()
-    if float((width**2).sum()) > 1.25 * float((real**2).sum()):
-        return None
     return {"input_ids": lay["input_ids"], "position_ids": lay["position_ids"],
-            "attention_mask": shared_prefix_mask(lay["part"], implementation, dtype)}, lay["index"]
+            "attention_mask": shared_prefix_mask(lay["part"], *attention)}, lay["index"]
+
+
+def layout_attention(model: Any, width: int) -> tuple[str, torch.dtype] | None:
+    """The attention implementation and dtype to build a shared-prefix layout's mask with (``shared_prefix_mask``)
+    for sequences of up to ``width`` tokens, or None where such a layout does not apply: attention that takes no
+    4-D mask (flash, flex), ALiBi positions (``positions_from_ids``), or a sliding window shorter than ``width``."""
+    implementation, dtype = attention_of(model)
+    if not takes_4d_mask(implementation) or not positions_from_ids(model):
+        return None
+    window = getattr(getattr(unwrap(model), "config", None), "sliding_window", None)
+    if window and width > window:
+        return None
+    return implementation, dtype
 
 
 ALIBI_MODEL_TYPES = ("bloom", "mpt")
@@ -192,7 +199,7 @@ def positions_from_ids(model: Any) -> bool:
     """Whether ``model`` places tokens by its ``position_ids`` (rotary or learned positions), which packed and
     shared-prefix layouts set per row. ALiBi models (Bloom, MPT, Falcon with ``alibi``) derive the positions
     from a 2-D attention mask instead, which those layouts do not have."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    module = unwrap(model)
     config = getattr(module, "config", None)
     if config is None:
         return False
@@ -203,7 +210,7 @@ def check_packing(model: Any, max_seq_len: int) -> None:
     """Stop when ``model`` has sliding-window attention shorter than a row may be: one 4-D mask serves every layer
     of a packed batch, so its sliding layers would see past their window (flash attention, which takes no mask,
     keeps them; the check does not look at that), and for ALiBi models (``positions_from_ids``)."""
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    module = unwrap(model)
     config = getattr(module, "config", None)
     if not positions_from_ids(model):
         raise UserError(f"--packing: {getattr(config, 'model_type', 'this model')} derives token positions from a "

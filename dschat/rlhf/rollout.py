@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dschat.data.packing import attention_of, positions_from_ids, shared_prefix_mask, takes_4d_mask
+from dschat.data.packing import layout_attention, shared_prefix_mask
 from dschat.logits import token_logps
 
 
@@ -104,9 +104,6 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     _, same_prompt = torch.unique(key, dim=0, return_inverse=True)  # (B,) one id per distinct prompt
     if int(same_prompt.max()) + 1 == B:  # every prompt once
         return None
-    implementation, dtype = attention_of(model)
-    if not takes_4d_mask(implementation) or not positions_from_ids(model):
-        return None
     p_len, a_len = prompt_mask.sum(-1).tolist(), rollout.action_mask.sum(-1).tolist()
     if min(p_len) == 0:
         return None
@@ -127,9 +124,8 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     if len(groups) == B:
         return None
     W = max(p_len[g[0]] + sum(a_len[r] for r in g) for g in groups)
-    module = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
-    window = getattr(getattr(module, "config", None), "sliding_window", None)
-    if window and W > window:
+    attention = layout_attention(model, W)
+    if attention is None:
         return None
     dev = seq.device
     ids = torch.zeros(len(groups), W, dtype=seq.dtype, device=dev)
@@ -149,7 +145,7 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
             flat_of[r, P: P + a] = s * W + at + torch.arange(a, device=dev)
             at += a
     return {"input_ids": ids, "position_ids": pos,
-            "attention_mask": shared_prefix_mask(part, implementation, dtype)}, flat_of
+            "attention_mask": shared_prefix_mask(part, *attention)}, flat_of
 
 
 def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
