@@ -84,12 +84,24 @@ def warp_logits(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     return logits
 
 
+def sample(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs`` (B, V) by inverting its running sum: one uniform per row and a binary search,
+    where ``torch.multinomial`` draws an exponential variate per vocabulary entry (on a CPU 15-20x slower: 0.49 ms
+    against 0.03 ms per token at batch 8 over 2,000 tokens, 1.66 against 0.09 ms at batch 32). The running sum is
+    float64, so a token's share of [0, total) is its probability to ~1e-15 however large the vocabulary; the draw
+    lands in the first column whose running sum exceeds it, which never is a zero-probability (filtered) token."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
+    u = torch.minimum(u, total.nextafter(torch.zeros_like(total)))  # strictly below the total, even rounded up
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
 def next_token(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """(B, V) float32 logits -> (B,) next tokens: argmax, or a sample of the warped distribution."""
     if not config.do_sample:
         return logits.argmax(-1)
-    probs = warp_logits(logits, config).softmax(-1)
-    return torch.multinomial(probs, 1).squeeze(1)
+    return sample(warp_logits(logits, config).softmax(-1))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from dschat.generation import (
     HFForward,
     LeanLlama,
     next_token,
+    sample,
     token_logprobs,
     warp_logits,
 )
@@ -145,6 +146,24 @@ def test_warpers_hand_worked():
     assert picks <= {0, 1}
     # log-prob of token 1 at temperature 1: 1 - logsumexp([2,1,0,-1]) = 1 - 2.4402 = -1.4402
     assert token_logprobs(logits, torch.tensor([1]), 1.0).item() == pytest.approx(-1.44019, abs=1e-4)
+
+
+def test_sample_hand_worked(monkeypatch):
+    """Inverse-CDF draws: the uniform's place in the running sum picks the token; zero-probability (filtered) tokens
+    are never drawn, not even at the ends of [0, 1); frequencies follow the probabilities."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]])  # running sum 0, .25, .25, .75, 1, 1
+    for u, want in ((0.0, 1), (0.2499, 1), (0.25, 3), (0.7499, 3), (0.75, 4), (1 - 2**-53, 4), (1.0, 4)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(*a, u, dtype=k["dtype"]))
+        assert sample(probs).tolist() == [want], u
+    monkeypatch.undo()
+    # unnormalised rows too (the total scales the uniform), and each row its own draw
+    torch.manual_seed(0)
+    draws = sample(torch.tensor([[1.0, 0.0, 3.0, 4.0], [0.0, 0.0, 0.0, 2.0]]).repeat(40000, 1))
+    a, b = draws.view(40000, 2).unbind(1)
+    freq = torch.bincount(a, minlength=4).double() / 40000
+    assert freq[1] == 0 and torch.allclose(freq, torch.tensor([0.125, 0.0, 0.375, 0.5], dtype=torch.float64),
+                                           atol=0.01)  # 4 standard errors at 40,000 draws
+    assert (b == 3).all()
 
 
 def test_warpers_match_hf():
