@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from dschat import engine as E
 from dschat.config import DataArgs, OptimArgs, RunArgs, to_flat_dict
-from dschat.data.packing import LengthGroupedSampler, pack_rows
+from dschat.data.packing import LengthGroupedSampler, best_capacity, pack_rows
 from dschat.errors import UserError
 from dschat.lock import claim_output_dir
 from dschat.models import TINY
@@ -97,10 +97,12 @@ def train_loader(rows: list[Any], batch_size: int, collator: Any, seed: int, sam
 
 def training_loader(rows: list[Any], batch_size: int, collator: Any, seed: int, data: DataArgs) -> DataLoader:
     """``train_loader`` with the batching ``data`` asks for: ``--packing`` (the rows packed once into sequences
-    of ``collator.pack_capacity(--max-seq-len)`` tokens, batched by ``collator.packed()``; ``batch_size`` counts
-    sequences) or ``--group-by-length`` (batches of rows of similar ``collator.width``)."""
+    of at most ``collator.pack_capacity(--max-seq-len)`` tokens, of the length wasting the least
+    (``best_capacity``), batched by ``collator.packed()``; ``batch_size`` counts sequences) or
+    ``--group-by-length`` (batches of rows of similar ``collator.width``)."""
     if data.packing:
-        packs = pack_rows(rows, collator.pack_capacity(data.max_seq_len), collator.pack_length)
+        limit = collator.pack_capacity(data.max_seq_len)
+        packs = pack_rows(rows, best_capacity([collator.pack_length(r) for r in rows], limit), collator.pack_length)
         return train_loader(packs, batch_size, collator.packed(), seed)
     if data.group_by_length:
         sampler = LengthGroupedSampler([collator.width(r) for r in rows], batch_size, E.world_size(), E.rank(), seed)

@@ -4,9 +4,10 @@
 (0, 1, ... restarting at every row) and a block-diagonal causal attention mask, so no token ever attends to
 another row: the per-token logits, and hence every loss, are those of the rows trained one by one. The rows are
 put into sequences once, before training, by best-fit decreasing (``pack``): each sequence holds up to
-``capacity`` tokens (``--max-seq-len``; a pair stage packs whole pairs, chosen and rejected side by side, up to
-twice that), so a batch of ``--per-device-train-batch-size`` sequences is nearly all real tokens, where padding
-every row to the longest of its batch wastes the difference. The sequences are shuffled each epoch like rows.
+``capacity`` tokens, the length that leaves the fewest padded tokens (``best_capacity``) and at most
+``--max-seq-len`` (a pair stage packs whole pairs, chosen and rejected side by side, up to twice that), so a batch
+of ``--per-device-train-batch-size`` sequences is nearly all real tokens, where padding every row to the longest
+of its batch wastes the difference. The sequences are shuffled each epoch like rows.
 
 Stage 1 trains on the packed labels directly (the first label of every row is masked: it would be predicted
 from the previous row's last token). The pair stages (reward model, DPO) get both views from one collator: the
@@ -54,6 +55,20 @@ def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         bins[b].append(i)
         bisect.insort(free, (room - n, b))
     return bins
+
+
+def best_capacity(lengths: Sequence[int], limit: int, sample: int = 4096) -> int:
+    """The sequence length, at most ``limit``, that packs ``lengths`` into the fewest padded tokens (sequences x
+    length). Rows of similar length fill ``limit`` badly and a length of their own well: the benchmark's SFT rows
+    (70-121 tokens) fill 87% of 249-token sequences, two to a sequence, and 96% of 217-token ones. Searched on an
+    evenly spaced sample of at most ``sample`` lengths, over at most 65 lengths from the longest row (or
+    ``limit``) up to ``limit``; a tie keeps the longer length. Depends on the lengths alone, so every rank agrees."""
+    low = min(max(lengths, default=limit), limit)
+    if low >= limit:
+        return limit
+    probe = list(lengths[:: max(1, len(lengths) // sample)])
+    stride = -(-(limit - low) // 64)
+    return min([*range(low, limit, stride), limit], key=lambda c: (len(pack(probe, c)) * c, -c))
 
 
 def pack_rows(rows: Sequence[dict[str, Any]], capacity: int,
@@ -377,6 +392,6 @@ def pair_width(row: dict[str, Any]) -> int:
     return max(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
 
 
-__all__ = ["LengthGroupedSampler", "PackedPairsCollator", "PackedSFTCollator", "block_causal_mask", "check_packing",
-           "pack", "pack_rows", "packed_inputs", "pair_length", "pair_width", "real_tokens",
+__all__ = ["LengthGroupedSampler", "PackedPairsCollator", "PackedSFTCollator", "best_capacity", "block_causal_mask",
+           "check_packing", "pack", "pack_rows", "packed_inputs", "pair_length", "pair_width", "real_tokens",
            "sft_inputs", "sft_length", "unpack", "unpacked_rows"]

@@ -11,6 +11,7 @@ from dschat.config import DataArgs
 from dschat.data import DataCollatorReward, DataCollatorSFT, load_phase
 from dschat.data.packing import (
     LengthGroupedSampler,
+    best_capacity,
     block_causal_mask,
     pack,
     pack_rows,
@@ -26,6 +27,19 @@ def test_best_fit_decreasing_by_hand():
     assert pack([5, 3, 8, 2, 6, 1], 10) == [[2, 3], [4, 1, 5], [0]]
     assert pack([12, 1], 10) == [[0], [1]]  # too long for any bin: a bin of its own
     assert pack([], 10) == []
+
+
+def test_best_capacity_by_hand():
+    # four 105-token rows under --max-seq-len 256: two sequences of 256 (512 tokens, 302 padding) or of 210 (420,
+    # none); 105 tokens, one row each, ties with 210 and the longer length is kept
+    assert best_capacity([105] * 4, 256) == 210
+    # 100, 60, 50 under 160: three sequences of 100 (300 tokens), or two from 110 on (100 | 60 + 50: 220 at 110)
+    assert best_capacity([100, 60, 50], 160) == 110
+    assert best_capacity([300, 20], 256) == 256  # a row longer than the limit: the limit
+    assert best_capacity([], 256) == 256
+    lengths = [70 + (i * 37) % 52 for i in range(500)]  # 70-121 tokens, like the benchmark's SFT rows
+    c = best_capacity(lengths, 256)
+    assert max(lengths) <= c < 256 and len(pack(lengths, c)) * c < len(pack(lengths, 256)) * 256
 
 
 def test_block_causal_mask_keeps_each_row_to_itself():
