@@ -223,6 +223,16 @@ class LeanLlama:
         return _linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float()
 
 
+    def adopt(self, other: LeanLlama, rows: torch.Tensor) -> None:
+        """Take ``other``'s cache as this one's: row ``r`` gets ``other``'s row ``rows[r]`` (the prompts prefilled
+        once for every row that repeats them)."""
+        n = other.length
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            for a, b in zip(mine, theirs, strict=True):
+                a[:, :, :n] = b[rows, :, :n]
+        self.keys[:, :n] = other.keys[rows, :n]
+        self.length = n
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, column: torch.Tensor,
              keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, static shapes (``torch.compile``): ``ids`` (B, 1) at rotary ``positions`` (B,), written
@@ -310,6 +320,25 @@ class DschatBackend:
             return LeanLlama(module, batch, total)
         return HFForward(module, batch, total)
 
+    def prefill(self, dec: LeanLlama | HFForward, module: torch.nn.Module, prompt: torch.Tensor,
+                positions: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """The prompts' forward into ``dec``'s cache; the last position's logits. Rows that repeat a prompt (a
+        GRPO group's completions, ``--num-generations`` per prompt) share one forward: the distinct prompts run
+        through a decoder of their own, whose cache rows are then copied to every row that repeats them (the
+        prompt's prefix cached once, as serving engines do). On the bench model a prefill of 8 rows of 52 tokens
+        takes 26 ms, of their 2 distinct prompts 8 ms; 32 rows 90-108 ms against 26 ms for 8. Lean decoders only."""
+        if not isinstance(dec, LeanLlama):
+            return dec.forward(prompt, positions, prompt_mask)
+        distinct, rows = torch.unique(torch.cat([prompt, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
+        if len(distinct) == len(prompt):
+            return dec.forward(prompt, positions, prompt_mask)
+        first = torch.empty(len(distinct), dtype=torch.long, device=prompt.device)
+        first[rows] = torch.arange(len(prompt), device=prompt.device)  # one row of each distinct prompt
+        own = LeanLlama(module, len(distinct), dec.k[0].shape[2])
+        logits = own.forward(prompt[first], positions[first], prompt_mask[first])
+        dec.adopt(own, rows)
+        return logits[rows]
+
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
                  config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated:
@@ -318,7 +347,7 @@ class DschatBackend:
         dec = self.decoder(module, B, P + N)
         eos = _eos_ids(eos_token_id, prompt.device)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = dec.forward(prompt, positions, prompt_mask)
+        logits = self.prefill(dec, module, prompt, positions, prompt_mask)
         keys = dec.keys.clone() if self.compiled else None  # the compiled step's cache mask, passed along
         position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt.device)

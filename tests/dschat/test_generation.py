@@ -87,6 +87,29 @@ def test_greedy_equals_hf_generate(kind):
     assert (got.sequences[0, ids.shape[1] + 5:] == PAD).all()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_repeated_prompts_prefill_once(kind, monkeypatch):
+    """Rows repeating a prompt (GRPO's groups, here shuffled) run one prefill per distinct prompt, and every row
+    continues from its own prompt's cache: greedy tokens equal HF generate's, sampled log-probs a forward pass's."""
+    model = model_of(kind)
+    base, base_mask = prompts()
+    order = torch.tensor([2, 0, 1, 0, 2, 2, 1])
+    ids, mask = base[order], base_mask[order]
+    widths = []
+    forward = LeanLlama.forward
+    monkeypatch.setattr(LeanLlama, "forward", lambda self, x, *a: widths.append(x.shape) or forward(self, x, *a))
+    with torch.no_grad():
+        want = hf_greedy(model, ids, mask, 12, eos=1)
+        got = DschatBackend().generate(model, ids, mask, GenerationConfig(max_new_tokens=12, do_sample=False), 1, PAD)
+        assert torch.equal(got.sequences, want)
+        assert widths[0] == (3, ids.shape[1]) and all(w == (7, 1) for w in widths[1:])
+        torch.manual_seed(4)
+        cfg = GenerationConfig(max_new_tokens=12, temperature=0.8, logprobs=True)
+        out = DschatBackend().generate(model, ids, mask, cfg, 1, PAD)
+        rollout, _ = make_rollout(ids, mask, out.sequences, 1, PAD, min_answer_len=0, logprobs=out.logprobs)
+        assert torch.allclose(rollout.logprobs, answer_logprobs(model, rollout, temperature=0.8), atol=1e-5)
+
+
 def test_stops_when_every_row_has_ended():
     model = model_of("llama")
     ids, mask = prompts()
