@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import json
 import os
 import pickle
 import time
@@ -154,6 +155,19 @@ def resolve_model(name: str) -> str:
                             f"it failed: {reason}") from None
     raise UserError(f"model {name!r}{hint} is not a local folder nor in the HF cache, and HF_HUB_OFFLINE is set; "
                     f"download it first (huggingface-cli download {repo}) or pass a local path")
+
+
+def local_model_type(name: str) -> str | None:
+    """The ``model_type`` of a local model folder's config.json (the ``tiny`` preset is a Llama), read without
+    loading anything; None for a name that is not such a folder (an alias, an HF name): the loader resolves and
+    reports those."""
+    if name == TINY:
+        return "llama"
+    try:
+        kind = json.loads((Path(name).expanduser() / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def download_patterns(repo: str) -> list[str]:

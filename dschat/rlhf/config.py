@@ -12,7 +12,8 @@ from typing import Any
 
 from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, flag_specs, merged, piece
 from dschat.errors import UserError
-from dschat.generation import BACKENDS
+from dschat.generation import BACKENDS, LEAN_MODEL_TYPES
+from dschat.models import local_model_type
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
@@ -175,6 +176,11 @@ def check_config(cfg: RLHFConfig) -> None:
     if cfg.rl.generation_backend == "compiled" and cfg.actor_lora.lora_dim > 0:
         raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its layers; "
                         "use --generation-backend dschat with --actor-lora-dim")
+    kind = local_model_type(cfg.actor.model) if cfg.rl.generation_backend == "compiled" else None
+    if kind is not None and kind not in LEAN_MODEL_TYPES:
+        raise UserError(f"--generation-backend compiled needs a Llama-architecture model "
+                        f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
+                        f"--generation-backend dschat")
     cfg.algorithm.check_config(cfg)
 
 

@@ -243,3 +243,18 @@ def test_compiled_backend_with_lora_refused_before_loading():
     with pytest.raises(UserError, match="--generation-backend compiled runs the actor's plain weights"):
         check_config(cfg)
     check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "generation_backend": "compiled"}))
+
+
+def test_compiled_backend_refuses_other_architectures_before_loading(tmp_path):
+    from dschat.config import build_config
+    from dschat.errors import UserError
+    from dschat.rlhf.config import RLHFConfig, check_config
+
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": str(tmp_path), "generation_backend": "compiled"})
+    with pytest.raises(UserError, match=f"compiled needs a Llama-architecture model .*; {tmp_path} is gpt2"):
+        check_config(cfg)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    check_config(cfg)
+    check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": str(tmp_path / "absent"),
+                                           "generation_backend": "compiled"}))  # the loader reports that one
