@@ -66,7 +66,7 @@ def best_capacity(lengths: Sequence[int], limit: int, sample: int = 4096) -> int
     low = min(max(lengths, default=limit), limit)
     if low >= limit:
         return limit
-    probe = list(lengths[:: max(1, len(lengths) // sample)])
+    probe = list(lengths[:: -(-len(lengths) // sample)])  # every k-th length: at most ``sample`` of them
     stride = -(-(limit - low) // 64)
     return min([*range(low, limit, stride), limit], key=lambda c: (len(pack(probe, c)) * c, -c))
 
@@ -115,6 +115,13 @@ def packed_inputs(model: Any, batch: dict[str, torch.Tensor], prefix: str = "") 
     implementation, dtype = attention_of(model)
     return {"input_ids": batch[f"{prefix}input_ids"], "position_ids": batch[f"{prefix}position_ids"],
             "attention_mask": block_causal_mask(batch[f"{prefix}segment_ids"], implementation, dtype)}
+
+
+def prompt_ids(prompt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: one id per distinct prompt (tokens and padding alike), 0 to n - 1 over the n distinct prompts, the
+    same for every row that repeats one wherever it sits (a GRPO group's completions, shuffled or not)."""
+    key = torch.cat([prompt, prompt_mask.to(prompt.dtype)], dim=1)
+    return torch.unique(key, dim=0, return_inverse=True)[1]
 
 
 def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -393,5 +400,5 @@ def pair_width(row: dict[str, Any]) -> int:
 
 
 __all__ = ["LengthGroupedSampler", "PackedPairsCollator", "PackedSFTCollator", "best_capacity", "block_causal_mask",
-           "check_packing", "pack", "pack_rows", "packed_inputs", "pair_length", "pair_width", "real_tokens",
-           "sft_inputs", "sft_length", "unpack", "unpacked_rows"]
+           "check_packing", "pack", "pack_rows", "packed_inputs", "pair_length", "pair_width", "prompt_ids",
+           "real_tokens", "sft_inputs", "sft_length", "unpack", "unpacked_rows"]

@@ -173,14 +173,15 @@ def check_config(cfg: RLHFConfig) -> None:
     if not cfg.actor.model:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
     check_reward_models(cfg.reward_func_names(), cfg.rewards)
-    if cfg.rl.generation_backend == "compiled" and cfg.actor_lora.lora_dim > 0:
-        raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its layers; "
-                        "use --generation-backend dschat with --actor-lora-dim")
-    kind = local_model_type(cfg.actor.model) if cfg.rl.generation_backend == "compiled" else None
-    if kind is not None and kind not in LEAN_MODEL_TYPES:
-        raise UserError(f"--generation-backend compiled needs a Llama-architecture model "
-                        f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
-                        f"--generation-backend dschat")
+    if cfg.rl.generation_backend == "compiled":
+        if cfg.actor_lora.lora_dim > 0:
+            raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its "
+                            "layers; use --generation-backend dschat with --actor-lora-dim")
+        kind = local_model_type(cfg.actor.model)
+        if kind is not None and kind not in LEAN_MODEL_TYPES:
+            raise UserError(f"--generation-backend compiled needs a Llama-architecture model "
+                            f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
+                            f"--generation-backend dschat")
     cfg.algorithm.check_config(cfg)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dschat.data.packing import layout_attention, shared_prefix_mask
+from dschat.data.packing import layout_attention, prompt_ids, shared_prefix_mask
 from dschat.logits import token_logps
 
 
@@ -100,8 +100,7 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     prompt, prompt_mask = seq[:, :P], rollout.attention_mask[:, :P]
     if B < 2 or P == 0:
         return None
-    key = torch.cat([prompt, prompt_mask.to(prompt.dtype)], dim=1)
-    _, same_prompt = torch.unique(key, dim=0, return_inverse=True)  # (B,) one id per distinct prompt
+    same_prompt = prompt_ids(prompt, prompt_mask)
     if int(same_prompt.max()) + 1 == B:  # every prompt once
         return None
     p_len, a_len = prompt_mask.sum(-1).tolist(), rollout.action_mask.sum(-1).tolist()
