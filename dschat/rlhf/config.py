@@ -37,6 +37,10 @@ class RLArgs:
     temperature: float = arg(1.0, "Sampling temperature.", above=0)
     top_p: float = arg(1.0, "Nucleus sampling threshold.", above=0)
     top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
+    eval_samples: int = arg(1, "Answers sampled per held-out prompt in each evaluation (before/after training, "
+                               "--eval-interval): a prompt's reward is the mean of its answers and the standard "
+                               "errors are over prompts, as dschat eval --num-samples n (same seeds, same "
+                               "figures). More samples give the reward gain a smaller standard error.", low=1)
     enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
     generation_backend: str = arg("auto", "Decode loop of the fallback: dschat (our loop: a preallocated KV cache, "

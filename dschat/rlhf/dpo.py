@@ -231,7 +231,7 @@ class DPO:
         out = {"min_answer_len": "with --algo dpo (no answers are trained on)"}
         if not DPO.reward_func_names(cfg):
             why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
-            out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len",
+            out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len", "eval_samples",
                                          "enable_hybrid_engine", "generation_backend", "reward_weights")})
         if cfg.dpo.dpo_loss_type == "simpo":
             out.update({n: "with --dpo-loss-type simpo (no reference)"
@@ -330,7 +330,8 @@ class DPO:
         res = implicit_eval(self.models, self.a, loader)
         if self.scorer is not None:
             res.update(evaluate(self.models, self.hybrid, self.prompt_loader(loader), self.gen,
-                                self.cfg.rl.temperature, self.cfg.run.seed, self.scorer))
+                                self.cfg.rl.temperature, self.cfg.run.seed, self.scorer,
+                                num_samples=self.cfg.rl.eval_samples))
         return res
 
     def prompt_loader(self, loader: EvalLoader) -> EvalLoader:

@@ -15,18 +15,60 @@ from dschat.rlhf.scoring import Scorer
 from dschat.stage import lockstep_batches, to_device
 from dschat.stats import paired_se
 
+SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch seeds of sample 0 plus j * stride
+
 
 @torch.no_grad()
 def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
-             scorer: Scorer | None, detail: bool = False, tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+             scorer: Scorer | None, detail: bool = False, tick: Callable[[int], None] | None = None,
+             num_samples: int = 1) -> dict[str, Any]:
     """Mean reward (with its standard error) and the mean of each reward source, KL to the reference (when there
-    is one) and answer length on held-out prompts, one completion per prompt.
+    is one) and answer length on held-out prompts, ``num_samples`` completions per prompt.
 
-    Sampling uses a fixed seed per batch, so before/after evaluations draw the same random numbers. ``scorer``
-    None: no reward (``dschat eval`` with a judge alone). ``detail``: also the per-prompt values under
-    ``"per_prompt"`` (each source's reward, KL, length, EOS, and the decoded prompts and completions), for
-    ``dschat eval``'s paired statistics; ``tick(prompts)`` after each batch (a progress bar).
+    Sampling uses a fixed seed per batch (sample j: plus ``j * SAMPLE_SEED_STRIDE``, as ``dschat eval
+    --num-samples``), so before/after evaluations draw the same random numbers. With several samples a prompt's
+    reward (and each source's) is the mean of its samples: ``scores`` holds one value per prompt, and the
+    standard errors (``reward_se`` here, the paired one of ``summarize``) are over prompts; KL, length and EOS
+    rate are means over every answer. ``scorer`` None: no reward (``dschat eval`` with a judge alone).
+    ``detail`` (one sample only): also the per-prompt values under ``"per_prompt"`` (each source's reward, KL,
+    length, EOS, and the decoded prompts and completions), for ``dschat eval``'s paired statistics; ``tick(n)``
+    after each batch of n answers (a progress bar).
     """
+    if detail and num_samples != 1:
+        raise ValueError("evaluate(detail=True) reports one sample per prompt; call it once per sample")
+    runs = [_sample_once(models, hybrid, loader, gen, temperature, seed + j * SAMPLE_SEED_STRIDE, scorer, detail,
+                         tick) for j in range(num_samples)]
+    t, texts = runs[0]
+    if num_samples > 1:  # per prompt: the mean over its samples (rewards); every answer counts (KL, length, EOS)
+        t = {k: (torch.cat([r[k] for r, _ in runs]) if k in ("kl", "length", "eos")
+                 else torch.stack([r[k] for r, _ in runs]).mean(0)) for k in t}
+    names = scorer.mixer.names if scorer is not None else []
+
+    def mean(x: torch.Tensor) -> float | None:
+        return x.mean().item() if len(x) else None
+
+    s = t["scores"]
+    std = s.std().item() if len(s) > 1 else 0.0
+    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s),
+                           "reward_se": std / math.sqrt(len(s)) if len(s) else None,
+                           "reward_std": std if len(s) else None, "kl": mean(t["kl"]),
+                           "answer_length": mean(t["length"]), "eos_rate": mean(t["eos"]),
+                           "eval_prompts": len(t["eos"]) // num_samples,
+                           "eval_samples": num_samples}
+    if names and names != [RM]:
+        out.update({f"reward/{n}": mean(t[n]) for n in names})
+        out["source_scores"] = {n: t[n].tolist() for n in names}  # per prompt, for each source's paired s.e.
+    if detail:
+        out["per_prompt"] = {**{f"reward/{n}": t[n].tolist() for n in names}, "kl": t["kl"].tolist(),
+                             "length": t["length"].tolist(), "eos": t["eos"].tolist(), **texts}
+    return out
+
+
+def _sample_once(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
+                 scorer: Scorer | None, detail: bool,
+                 tick: Callable[[int], None] | None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """One answer per held-out prompt: every rank's per-prompt values (``"scores"``, each source, KL, length,
+    EOS) and, with ``detail``, the decoded prompts and completions."""
     names = scorer.mixer.names if scorer is not None else []
     cols: dict[str, list[Any]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
     texts: dict[str, list[str]] = {"prompts": [], "completions": []}
@@ -63,26 +105,10 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
         models.actor.train()
     gathered = E.gather_objects(cols)
     t = {k: torch.tensor([v for part in gathered for v in part[k]]) for k in cols}
-
-    def mean(x: torch.Tensor) -> float | None:
-        return x.mean().item() if len(x) else None
-
-    s = t["scores"]
-    std = s.std().item() if len(s) > 1 else 0.0
-    out: dict[str, Any] = {"scores": s.tolist(), "reward": mean(s),
-                           "reward_se": std / math.sqrt(len(s)) if len(s) else None,
-                           "reward_std": std if len(s) else None, "kl": mean(t["kl"]),
-                           "answer_length": mean(t["length"]), "eos_rate": mean(t["eos"]),
-                           "eval_prompts": len(t["eos"])}
-    if names and names != [RM]:
-        out.update({f"reward/{n}": mean(t[n]) for n in names})
-        out["source_scores"] = {n: t[n].tolist() for n in names}  # per prompt, for each source's paired s.e.
     if detail:
         every = E.gather_objects(texts)
-        out["per_prompt"] = {**{f"reward/{n}": t[n].tolist() for n in names}, "kl": t["kl"].tolist(),
-                             "length": t["length"].tolist(), "eos": t["eos"].tolist(),
-                             **{k: [x for part in every for x in part[k]] for k in texts}}
-    return out
+        texts = {k: [x for part in every for x in part[k]] for k in texts}
+    return t, texts
 
 
 PER_PROMPT = ("scores", "source_scores", "per_prompt")
@@ -105,7 +131,7 @@ def summarize(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "kl_before": before.get("kl"), "kl_after": after.get("kl"),
         "answer_length_before": before.get("answer_length"), "answer_length_after": after.get("answer_length"),
         "eos_rate_before": before.get("eos_rate"), "eos_rate_after": after.get("eos_rate"),
-        "eval_prompts": after.get("eval_prompts"),
+        "eval_prompts": after.get("eval_prompts"), "eval_samples": after.get("eval_samples"),
     }
     return out
 

@@ -32,13 +32,12 @@ from dschat.reward_eval import check_reward_checkpoint
 from dschat.rewards import RM
 from dschat.rlhf.config import check_reward_data, check_reward_models
 from dschat.rlhf.engines import Models
-from dschat.rlhf.evaluation import evaluate
+from dschat.rlhf.evaluation import SAMPLE_SEED_STRIDE, evaluate
 from dschat.rlhf.scoring import build_scorer, same_tokenizer
 from dschat.stage import eval_loader
 from dschat.stats import mean_se, paired_se, pass_at_k, win_rate
 from dschat.utils import progress_bar
 
-SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch seeds of sample 0 plus j * stride
 NOT_PASS_FAIL = (RM, JUDGE, "overlong")  # graded sources: no pass@k
 
 

@@ -79,12 +79,13 @@ def test_dpo_flags_checked_and_refused():
 
     for flag, value in (("kl_ctl", 0.2), ("num_generations", 4), ("loss_type", "dapo"), ("beta", 0.1),
                         ("label_smoothing", 0.1), ("simpo_gamma", 1.0), ("temperature", 0.7),
-                        ("critic_model", "tiny"), ("min_answer_len", 3)):
+                        ("critic_model", "tiny"), ("min_answer_len", 3), ("eval_samples", 4)):
         with pytest.raises(UserError, match="has no effect"):
             refuse_inert(cfg(**{flag: value}), {flag})
     refuse_inert(cfg(dpo_loss_type="cdpo", label_smoothing=0.1), {"algo", "dpo_loss_type", "label_smoothing"})
     refuse_inert(cfg(dpo_loss_type="simpo", simpo_gamma=1.0), {"dpo_loss_type", "simpo_gamma"})
     refuse_inert(cfg(reward_funcs=["format"], temperature=0.7), {"reward_funcs", "temperature"})
+    refuse_inert(cfg(reward_funcs=["format"], eval_samples=4), {"reward_funcs", "eval_samples"})
     with pytest.raises(UserError, match="has no effect"):
         refuse_inert(cfg(dpo_loss_type="simpo", offload_reference_model=True), {"offload_reference_model"})
     with pytest.raises(UserError, match="has no effect"):  # DPO's flags under GRPO

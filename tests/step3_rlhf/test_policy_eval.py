@@ -126,8 +126,9 @@ def length(prompts, completions, **row_fields):
 
 @pytest.mark.slow
 def test_eval_step3_reproduces_a_grpo_stage_and_compares_a_model_with_itself(tmp_path):
-    """A one-step GRPO run, then `dschat eval --step 3` of its actor against the tiny start on the same held-out
-    prompts: the stage's rewards before and after, its paired gain and standard error and its KL come back. A model
+    """A one-step GRPO run evaluated with 2 answers per held-out prompt (--eval-samples 2), then `dschat eval --step
+    3 --num-samples 2` of its actor against the tiny start on the same held-out prompts: the stage's rewards before
+    and after, its paired gain and standard error and its KL come back. A model
     against itself: every prompt a tie (by reward and by a judge), no gain, no KL."""
     from dschat.config import build_config
     from dschat.rlhf.config import RLHFConfig
@@ -142,12 +143,13 @@ def test_eval_step3_reproduces_a_grpo_stage_and_compares_a_model_with_itself(tmp
         "max_answer_seq_len": 12, "num_generations": 2, "per_device_generation_batch_size": 4,
         "per_device_train_batch_size": 8, "actor_learning_rate": 1e-2, "max_eval_rows": 6,
         "per_device_eval_batch_size": 4, "reward_funcs": funcs, "reward_weights": ["1", "0.5"],
-        "progress": False}))
+        "eval_samples": 2, "progress": False}))
     stage = read_json(out / "eval.json")
+    assert stage["eval_samples"] == 2
     common = ["--data", prompts, "--max-eval-rows", "6", "--batch-size", "4", "--max-new-tokens", "12",
               "--reward-funcs", funcs[0], "--reward-funcs", funcs[1], "--reward-weights", "1",
               "--reward-weights", "0.5", "--no-progress"]
-    proc = run_cli("eval", "--step", "3", "--model", str(out), "--baseline", "tiny", *common,
+    proc = run_cli("eval", "--step", "3", "--model", str(out), "--baseline", "tiny", "--num-samples", "2", *common,
                    "--output", str(tmp_path / "m.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = read_json(tmp_path / "m.json")
