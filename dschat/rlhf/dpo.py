@@ -331,7 +331,7 @@ class DPO:
         if self.scorer is not None:
             res.update(evaluate(self.models, self.hybrid, self.prompt_loader(loader), self.gen,
                                 self.cfg.rl.temperature, self.cfg.run.seed, self.scorer,
-                                num_samples=self.cfg.rl.eval_samples))
+                                num_samples=self.cfg.rl.eval_samples, progress=self.cfg.run.progress))
         return res
 
     def prompt_loader(self, loader: EvalLoader) -> EvalLoader:

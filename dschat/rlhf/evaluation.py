@@ -14,6 +14,7 @@ from dschat.rlhf.rollout import answer_logprobs, completion_texts, generate_roll
 from dschat.rlhf.scoring import Scorer
 from dschat.stage import lockstep_batches, to_device
 from dschat.stats import paired_se
+from dschat.utils import progress_bar
 
 SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch seeds of sample 0 plus j * stride
 
@@ -21,7 +22,7 @@ SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch see
 @torch.no_grad()
 def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
              scorer: Scorer | None, detail: bool = False, tick: Callable[[int], None] | None = None,
-             num_samples: int = 1) -> dict[str, Any]:
+             num_samples: int = 1, progress: bool = False) -> dict[str, Any]:
     """Mean reward (with its standard error) and the mean of each reward source, KL to the reference (when there
     is one) and answer length on held-out prompts, ``num_samples`` completions per prompt.
 
@@ -32,12 +33,21 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
     rate are means over every answer. ``scorer`` None: no reward (``dschat eval`` with a judge alone).
     ``detail`` (one sample only): also the per-prompt values under ``"per_prompt"`` (each source's reward, KL,
     length, EOS, and the decoded prompts and completions), for ``dschat eval``'s paired statistics; ``tick(n)``
-    after each batch of n answers (a progress bar).
+    after each batch of n answers (the caller's progress bar), or with ``progress`` a bar of this one (main rank).
     """
     if detail and num_samples != 1:
         raise ValueError("evaluate(detail=True) reports one sample per prompt; call it once per sample")
-    runs = [_sample_once(models, hybrid, loader, gen, temperature, seed + j * SAMPLE_SEED_STRIDE, scorer, detail,
-                         tick) for j in range(num_samples)]
+    bar = None
+    if tick is None:
+        rows = len(getattr(getattr(loader, "loader", None), "dataset", ()))  # this rank's held-out rows
+        bar = progress_bar(progress and E.is_main(), rows * num_samples, "eval")
+        tick = bar.update if bar is not None else None
+    try:
+        runs = [_sample_once(models, hybrid, loader, gen, temperature, seed + j * SAMPLE_SEED_STRIDE, scorer,
+                             detail, tick) for j in range(num_samples)]
+    finally:
+        if bar is not None:
+            bar.close()
     t, texts = runs[0]
     if num_samples > 1:  # per prompt: the mean over its samples (rewards); every answer counts (KL, length, EOS)
         t = {k: (torch.cat([r[k] for r, _ in runs]) if k in ("kl", "length", "eos")

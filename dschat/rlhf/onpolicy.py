@@ -28,7 +28,7 @@ class OnPolicy:
 
     def evaluate(self, loader: Any) -> dict[str, Any]:
         return evaluate(self.models, self.hybrid, loader, self.gen, self.cfg.rl.temperature, self.cfg.run.seed,
-                        self.scorer, num_samples=self.cfg.rl.eval_samples)
+                        self.scorer, num_samples=self.cfg.rl.eval_samples, progress=self.cfg.run.progress)
 
     def summary(self, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         return {}
