@@ -124,6 +124,74 @@ def prompt_ids(prompt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     return torch.unique(key, dim=0, return_inverse=True)[1]
 
 
+def attention_balance(model: Any) -> float:
+    """The sequence length at which a token's attention (one query over that many keys, dense) costs as many
+    forward FLOPs as its trip through a layer's linear maps, from ``model``'s config: ``(q, k, v, o and the
+    gated MLP's three maps) / (4 * heads * head_dim)``. About 1,570 for the bench's 4-layer 256-wide Llama, 24,700
+    for Llama-2-7B. Without those config fields, 8x the hidden size."""
+    config = getattr(unwrap(model), "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    inter = getattr(config, "intermediate_size", None)
+    if not (isinstance(hidden, int) and isinstance(heads, int) and isinstance(inter, int)) or heads <= 0:
+        return 8.0 * (hidden if isinstance(hidden, int) else 1024)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    linear = 2 * hidden * (heads + 2 * kv) * head_dim + 2 * heads * head_dim * hidden + 2 * 3 * hidden * inter
+    return linear / (4 * heads * head_dim)
+
+
+def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[int], answer_len: Sequence[int],
+                         balance: float, unshared_width: int, area_cap: float = 2.0) -> list[list[int]] | None:
+    """Rows that share a prompt grouped into sequences of one prompt and some of its rows' answers (the layout of
+    ``rollout.shared_prompt_inputs``), every sequence padded to the longest, W: the grouping with the fewest
+    forward FLOPs for the padded batch, ``n * (W + W**2 / balance)`` (n sequences, each token through the linear
+    maps plus dense masked attention over W keys, ``attention_balance``), among the greedy fills of each width W
+    that every row fits in (a prompt's rows in order, a new sequence when the next answer would pass W). None when
+    the rows as they are (``unshared_width`` = prompt + answer budget, one row per sequence) cost no more. The
+    masks' area ``n * W**2`` stays within ``area_cap`` times the rows' (eager attention holds it per head).
+
+    Args:
+        rows_of: per distinct prompt, its rows (indices into ``prompt_len``/``answer_len``).
+    """
+    B = sum(len(r) for r in rows_of)
+    if B < 2 or all(len(r) < 2 for r in rows_of):
+        return None
+
+    def cost(n: int, width: int) -> float:
+        return n * (width + width * width / balance)
+
+    fits = max(prompt_len[r[0]] + max(answer_len[i] for i in r) for r in rows_of if r)
+    widths = {fits}
+    for rows in rows_of:
+        total = prompt_len[rows[0]] if rows else 0
+        for i in rows:
+            total += answer_len[i]
+            if total > fits:
+                widths.add(total)
+    best: tuple[float, int, list[list[int]]] | None = None
+    for width in sorted(widths):
+        groups: list[list[int]] = []
+        for rows in rows_of:
+            used = width  # no open sequence yet
+            p = prompt_len[rows[0]] if rows else 0
+            for i in rows:
+                if used + answer_len[i] > width:
+                    groups.append([])
+                    used = p
+                groups[-1].append(i)
+                used += answer_len[i]
+        n = len(groups)
+        if n * width * width > area_cap * B * unshared_width * unshared_width:
+            continue
+        c = cost(n, width)
+        if best is None or c < best[0]:
+            best = (c, width, groups)
+    if best is None or len(best[2]) == B or best[0] >= cost(B, unshared_width):
+        return None
+    return best[2]
+
+
 def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``(B,)``: how many first tokens rows ``i`` and ``B + i`` of a right-padded ``(2B, L)`` pair batch share,
     at most each row's length minus one (every row keeps a last token of its own)."""

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from dschat.data.packing import layout_attention, prompt_ids, shared_prefix_mask
+from dschat.data.packing import (
+    attention_balance,
+    layout_attention,
+    prompt_ids,
+    shared_prefix_mask,
+    shared_prompt_groups,
+)
 from dschat.logits import token_logps
 
 
@@ -92,8 +98,9 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     """The rollout's rows laid out with each prompt once: rows with the same prompt (GRPO's G completions, in
     whatever order a shuffled minibatch holds them) share one sequence, the prompt's real tokens then each row's
     answer tokens (action mask), each answer attending to the prompt and to itself at its own row's positions
-    (``packing.shared_prefix_mask``), so every answer token's logits are those of its own row. A sequence takes
-    rows while its attention area stays within 1.25x theirs (long answers after a short prompt stay apart).
+    (``packing.shared_prefix_mask``), so every answer token's logits are those of its own row. How many rows a
+    sequence takes is ``packing.shared_prompt_groups``'s choice: the fewest forward FLOPs for the padded batch
+    (linear maps per token, dense attention per token and key), so long answers after a short prompt stay apart.
     Returns the model's inputs and ``flat_of`` ``(B, P + A)``: each real token's flat position in the layout; None
     when no two rows share a sequence or the model cannot take the layout (see ``packing.shared_prefix_inputs``)."""
     seq, P, B = rollout.sequences, rollout.prompt_len, rollout.sequences.shape[0]
@@ -106,21 +113,11 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     p_len, a_len = prompt_mask.sum(-1).tolist(), rollout.action_mask.sum(-1).tolist()
     if min(p_len) == 0:
         return None
-
-    def pays(rows: list[int]) -> bool:
-        p = p_len[rows[0]]
-        return (p + sum(a_len[r] for r in rows)) ** 2 <= 1.25 * sum((p + a_len[r]) ** 2 for r in rows)
-
-    groups: list[list[int]] = []
-    open_group: dict[int, list[int]] = {}  # the sequence each prompt is filling
+    rows_of: dict[int, list[int]] = {}
     for r, u in enumerate(same_prompt.tolist()):
-        current = open_group.get(u)
-        if current is not None and pays([*current, r]):
-            current.append(r)
-        else:
-            open_group[u] = [r]
-            groups.append(open_group[u])
-    if len(groups) == B:
+        rows_of.setdefault(u, []).append(r)
+    groups = shared_prompt_groups(list(rows_of.values()), p_len, a_len, attention_balance(model), seq.shape[1])
+    if groups is None:
         return None
     W = max(p_len[g[0]] + sum(a_len[r] for r in g) for g in groups)
     attention = layout_attention(model, W)

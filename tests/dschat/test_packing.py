@@ -11,11 +11,13 @@ from dschat.config import DataArgs
 from dschat.data import DataCollatorReward, DataCollatorSFT, load_phase
 from dschat.data.packing import (
     LengthGroupedSampler,
+    attention_balance,
     best_capacity,
     block_causal_mask,
     pack,
     pack_rows,
     sft_inputs,
+    shared_prompt_groups,
     unpacked_rows,
 )
 from dschat.demo import demo_data
@@ -40,6 +42,40 @@ def test_best_capacity_by_hand():
     lengths = [70 + (i * 37) % 52 for i in range(500)]  # 70-121 tokens, like the benchmark's SFT rows
     c = best_capacity(lengths, 256)
     assert max(lengths) <= c < 256 and len(pack(lengths, c)) * c < len(pack(lengths, 256)) * 256
+
+
+def test_shared_prompt_groups_by_hand():
+    # two prompts (50 and 30 tokens) with four 64-token answers each; unshared, 8 rows of 50 + 64 = 114.
+    # Cost n * (W + W^2 / balance) at balance 1570: W 114 (8 rows) 978.2, W 178 (pairs: 4) 792.7, W 306 (each
+    # prompt's four answers: 2 sequences) 731.3, the least; its mask area 2 * 306^2 is under 2x 8 * 114^2.
+    rows_of, p_len, a_len = [[0, 1, 2, 3], [4, 5, 6, 7]], [50] * 4 + [30] * 4, [64] * 8
+    assert shared_prompt_groups(rows_of, p_len, a_len, 1570.0, 114) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the mask area capped at 1.3x the rows' (135,158): W 306 (187,272) is out, pairs at W 178 (126,736) remain
+    assert shared_prompt_groups(rows_of, p_len, a_len, 1570.0, 114, area_cap=1.3) == [[0, 1], [2, 3], [4, 5],
+                                                                                       [6, 7]]
+    # attention dear (balance 100): W 114 1951.7 < W 178 1979.0 < W 306 2484.7, so the rows stay as they are
+    assert shared_prompt_groups(rows_of, p_len, a_len, 100.0, 114) is None
+    # rows of a prompt in any order, 40 + 20 tokens each: W 60 (6 rows) 373.8, W 80 (pairs, 4 sequences) 336.3, W 100
+    # (3 + 1: 4) 425.5, W 120 (3 sequences) 387.5; a prompt seen once keeps its row to itself
+    assert shared_prompt_groups([[5, 0, 7, 2], [1], [3]], [40] * 8, [20] * 8, 1570.0, 60) == [[5, 0], [7, 2], [1],
+                                                                                            [3]]
+    assert shared_prompt_groups([[0], [1]], [40, 40], [20, 20], 1570.0, 60) is None
+
+
+def test_attention_balance_from_the_config():
+    from transformers import LlamaConfig
+
+    class Model(torch.nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            self.config = LlamaConfig(**kw)
+
+    # the bench's model: linear 2*256*12*64 + 2*4*64*256 + 6*256*704 = 1,605,632 FLOPs per token, attention 4*4*64
+    # per key: 1,568; Llama-2-7B's shapes: 404,750,336 / 16,384 = 24,704
+    assert attention_balance(Model(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                   intermediate_size=704)) == pytest.approx(1568.0)
+    assert attention_balance(Model(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                                   intermediate_size=11008)) == pytest.approx(24704.0)
 
 
 def test_block_causal_mask_keeps_each_row_to_itself():
