@@ -173,13 +173,12 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
     for width in sorted(widths):
         groups: list[list[int]] = []
         for rows in rows_of:
-            used = width  # no open sequence yet
-            p = prompt_len[rows[0]] if rows else 0
+            p, current, used = prompt_len[rows[0]] if rows else 0, None, 0
             for i in rows:
-                if used + answer_len[i] > width:
-                    groups.append([])
-                    used = p
-                groups[-1].append(i)
+                if current is None or used + answer_len[i] > width:  # each prompt opens its own sequences
+                    current, used = [], p
+                    groups.append(current)
+                current.append(i)
                 used += answer_len[i]
         n = len(groups)
         if n * width * width > area_cap * B * unshared_width * unshared_width:

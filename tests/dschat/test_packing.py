@@ -60,6 +60,8 @@ def test_shared_prompt_groups_by_hand():
     assert shared_prompt_groups([[5, 0, 7, 2], [1], [3]], [40] * 8, [20] * 8, 1570.0, 60) == [[5, 0], [7, 2], [1],
                                                                                             [3]]
     assert shared_prompt_groups([[0], [1]], [40, 40], [20, 20], 1570.0, 60) is None
+    # an answer dropped as too short (no action tokens) still opens its own prompt's sequence
+    assert shared_prompt_groups([[0, 1], [2, 3]], [40] * 4, [20, 20, 0, 20], 1570.0, 60) == [[0, 1], [2, 3]]
 
 
 def test_attention_balance_from_the_config():
