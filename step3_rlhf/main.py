@@ -91,7 +91,11 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     # 3. evaluate before training (kept in the state, so a resumed run compares with the same numbers)
     def evaluation() -> dict[str, Any]:
         return algo.evaluate(evals) if data.eval else {}
-    before = state.get("before") or evaluation()
+    kept = state.get("before") or {}
+    if kept and kept.get("eval_samples", 1) != rl.eval_samples:  # the gain pairs before and after prompt by prompt
+        raise UserError(f"{resume_from}: its before-training evaluation sampled {kept.get('eval_samples', 1)} "
+                        f"answer(s) per prompt; resume with --eval-samples {kept.get('eval_samples', 1)} or start over")
+    before = kept or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
     if before and resume_from is None:
         tracker.log(0, eval_scalars(before))

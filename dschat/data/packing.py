@@ -128,7 +128,9 @@ def attention_balance(model: Any) -> float:
     """The sequence length at which a token's attention (one query over that many keys, dense) costs as many
     forward FLOPs as its trip through a layer's linear maps, from ``model``'s config: ``(q, k, v, o and the
     gated MLP's three maps) / (4 * heads * head_dim)``. About 1,570 for the bench's 4-layer 256-wide Llama, 24,700
-    for Llama-2-7B. Without those config fields, 8x the hidden size."""
+    for Llama-2-7B. Without those config fields, 8x the hidden size. A heuristic for choosing a layout: it
+    counts a gated three-map MLP (a two-map MLP, as GPT-NeoX's, has about 2/3 of that) and one expert's width for
+    mixture-of-experts models (their tokens pass top-k experts)."""
     config = getattr(unwrap(model), "config", None)
     hidden = getattr(config, "hidden_size", None)
     heads = getattr(config, "num_attention_heads", None)
@@ -142,14 +144,16 @@ def attention_balance(model: Any) -> float:
 
 
 def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[int], answer_len: Sequence[int],
-                         balance: float, unshared_width: int, area_cap: float = 2.0) -> list[list[int]] | None:
+                         balance: float, unshared_width: int, area_cap: float = 2.0,
+                         max_width: int | None = None) -> list[list[int]] | None:
     """Rows that share a prompt grouped into sequences of one prompt and some of its rows' answers (the layout of
     ``rollout.shared_prompt_inputs``), every sequence padded to the longest, W: the grouping with the fewest
     forward FLOPs for the padded batch, ``n * (W + W**2 / balance)`` (n sequences, each token through the linear
     maps plus dense masked attention over W keys, ``attention_balance``), among the greedy fills of each width W
-    that every row fits in (a prompt's rows in order, a new sequence when the next answer would pass W). None when
-    the rows as they are (``unshared_width`` = prompt + answer budget, one row per sequence) cost no more. The
-    masks' area ``n * W**2`` stays within ``area_cap`` times the rows' (eager attention holds it per head).
+    that every row fits in (a prompt's rows in order, a new sequence when the next answer would pass W), none wider
+    than ``max_width`` (a sliding window). None when no grouping shares a sequence or the rows as they are
+    (``unshared_width`` = prompt + answer budget, one row per sequence) cost no more. The masks' area ``n * W**2``
+    stays within ``area_cap`` times the rows' (eager attention holds it per head).
 
     Args:
         rows_of: per distinct prompt, its rows (indices into ``prompt_len``/``answer_len``).
@@ -170,7 +174,7 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
             if total > fits:
                 widths.add(total)
     best: tuple[float, int, list[list[int]]] | None = None
-    for width in sorted(widths):
+    for width in sorted(w for w in widths if max_width is None or w <= max_width):
         groups: list[list[int]] = []
         for rows in rows_of:
             p, current, used = prompt_len[rows[0]] if rows else 0, None, 0
@@ -181,12 +185,12 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
                 current.append(i)
                 used += answer_len[i]
         n = len(groups)
-        if n * width * width > area_cap * B * unshared_width * unshared_width:
-            continue
+        if n == B or n * width * width > area_cap * B * unshared_width * unshared_width:
+            continue  # nothing shared (the rows as they are, costed below), or too large a mask
         c = cost(n, width)
         if best is None or c < best[0]:
             best = (c, width, groups)
-    if best is None or len(best[2]) == B or best[0] >= cost(B, unshared_width):
+    if best is None or best[0] >= cost(B, unshared_width):
         return None
     return best[2]
 

@@ -39,8 +39,9 @@ class RLArgs:
     top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
     eval_samples: int = arg(1, "Answers sampled per held-out prompt in each evaluation (before/after training, "
                                "--eval-interval): a prompt's reward is the mean of its answers and the standard "
-                               "errors are over prompts, as dschat eval --num-samples n (same seeds, same "
-                               "figures). More samples give the reward gain a smaller standard error.", low=1)
+                               "errors are over prompts, as dschat eval --num-samples n (same seeds, and with "
+                               "the same batch size the same figures). More samples give the reward gain a "
+                               "smaller standard error.", low=1)
     enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
     generation_backend: str = arg("auto", "Decode loop of the fallback: dschat (our loop: a preallocated KV cache, "

@@ -40,7 +40,7 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
     bar = None
     if tick is None:
         rows = len(getattr(getattr(loader, "loader", None), "dataset", ()))  # this rank's held-out rows
-        bar = progress_bar(progress and E.is_main(), rows * num_samples, "eval")
+        bar = progress_bar(progress and E.is_main(), rows * num_samples, "eval", leave=False)  # under training's
         tick = bar.update if bar is not None else None
     try:
         runs = [_sample_once(models, hybrid, loader, gen, temperature, seed + j * SAMPLE_SEED_STRIDE, scorer,

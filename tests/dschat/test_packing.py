@@ -53,8 +53,14 @@ def test_shared_prompt_groups_by_hand():
     # the mask area capped at 1.3x the rows' (135,158): W 306 (187,272) is out, pairs at W 178 (126,736) remain
     assert shared_prompt_groups(rows_of, p_len, a_len, 1570.0, 114, area_cap=1.3) == [[0, 1], [2, 3], [4, 5],
                                                                                        [6, 7]]
-    # attention dear (balance 100): W 114 1951.7 < W 178 1979.0 < W 306 2484.7, so the rows stay as they are
+    # attention dear (balance 100): the rows as they are, 8 x (114 + 130.0) = 1951.7, beat every grouping (pairs at
+    # W 178: 1979.4; W 158: 2445.8; W 306: 2484.7), so they stay as they are
     assert shared_prompt_groups(rows_of, p_len, a_len, 100.0, 114) is None
+    # ... unless the rows as they are run wider: a 150-token prompt budget (unshared 8 x (214 + 458.0) = 5375.7)
+    assert shared_prompt_groups(rows_of, p_len, a_len, 100.0, 214) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # no sequence wider than a 200-token sliding window: W 178 (pairs) is the widest left
+    assert shared_prompt_groups(rows_of, p_len, a_len, 1570.0, 114, max_width=200) == [[0, 1], [2, 3], [4, 5],
+                                                                                        [6, 7]]
     # rows of a prompt in any order, 40 + 20 tokens each: W 60 (6 rows) 373.8, W 80 (pairs, 4 sequences) 336.3, W 100
     # (3 + 1: 4) 425.5, W 120 (3 sequences) 387.5; a prompt seen once keeps its row to itself
     assert shared_prompt_groups([[5, 0, 7, 2], [1], [3]], [40] * 8, [20] * 8, 1570.0, 60) == [[5, 0], [7, 2], [1],

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dschat.config import build_config
+from dschat.errors import UserError
 from dschat.models import resolve_model
 from dschat.rlhf.config import RLHFConfig
 from dschat.rlhf.grpo import GRPO
@@ -101,6 +102,9 @@ def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypat
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.vocab_size > 0
     monkeypatch.setattr(GRPO, "step", real_step)
+    # the kept before-training evaluation sampled one answer per prompt: the after one must too
+    with pytest.raises(UserError, match="sampled 1 answer.* resume with --eval-samples 1"):
+        run(grpo_cfg(out, reward, force=False, resume=True, actor_zero_stage=zero, eval_samples=2))
     run(grpo_cfg(out, reward, force=False, resume=True, actor_zero_stage=zero))
     assert max(losses(ref, "train/resample_rounds").values()) > 0  # the stream ran ahead of the step count
     for key in ("train/actor_loss", "train/reward", "train/kl", "train/resample_rounds"):
