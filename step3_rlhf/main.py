@@ -92,9 +92,10 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     def evaluation() -> dict[str, Any]:
         return algo.evaluate(evals) if data.eval else {}
     kept = state.get("before") or {}
-    if kept and kept.get("eval_samples", 1) != rl.eval_samples:  # the gain pairs before and after prompt by prompt
-        raise UserError(f"{resume_from}: its before-training evaluation sampled {kept.get('eval_samples', 1)} "
-                        f"answer(s) per prompt; resume with --eval-samples {kept.get('eval_samples', 1)} or start over")
+    samples = kept.get("eval_samples", 1)  # runs saved before the flag sampled one answer per prompt
+    if kept and samples != rl.eval_samples:  # the gain pairs before and after prompt by prompt
+        raise UserError(f"{resume_from}: its before-training evaluation sampled {samples} answer(s) per prompt; "
+                        f"resume with --eval-samples {samples} or start over")
     before = kept or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
     if before and resume_from is None:

@@ -158,6 +158,7 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
     Args:
         rows_of: per distinct prompt, its rows (indices into ``prompt_len``/``answer_len``).
     """
+    rows_of = [r for r in rows_of if r]
     B = sum(len(r) for r in rows_of)
     if B < 2 or all(len(r) < 2 for r in rows_of):
         return None
@@ -165,10 +166,10 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
     def cost(n: int, width: int) -> float:
         return n * (width + width * width / balance)
 
-    fits = max(prompt_len[r[0]] + max(answer_len[i] for i in r) for r in rows_of if r)
+    fits = max(prompt_len[r[0]] + max(answer_len[i] for i in r) for r in rows_of)
     widths = {fits}
     for rows in rows_of:
-        total = prompt_len[rows[0]] if rows else 0
+        total = prompt_len[rows[0]]
         for i in rows:
             total += answer_len[i]
             if total > fits:
@@ -177,7 +178,7 @@ def shared_prompt_groups(rows_of: Sequence[Sequence[int]], prompt_len: Sequence[
     for width in sorted(w for w in widths if max_width is None or w <= max_width):
         groups: list[list[int]] = []
         for rows in rows_of:
-            p, current, used = prompt_len[rows[0]] if rows else 0, None, 0
+            p, current, used = prompt_len[rows[0]], None, 0
             for i in rows:
                 if current is None or used + answer_len[i] > width:  # each prompt opens its own sequences
                     current, used = [], p
@@ -279,10 +280,17 @@ def layout_attention(model: Any, width: int) -> tuple[str, torch.dtype] | None:
     implementation, dtype = attention_of(model)
     if not takes_4d_mask(implementation) or not positions_from_ids(model):
         return None
-    window = getattr(getattr(unwrap(model), "config", None), "sliding_window", None)
-    if window and width > window:
+    window = layout_window(model)
+    if window is not None and width > window:
         return None
     return implementation, dtype
+
+
+def layout_window(model: Any) -> int | None:
+    """The longest sequence a shared-prefix layout may hold for ``model``: its config's sliding window, or None
+    (no limit)."""
+    window = getattr(getattr(unwrap(model), "config", None), "sliding_window", None)
+    return window or None
 
 
 ALIBI_MODEL_TYPES = ("bloom", "mpt")

@@ -22,12 +22,12 @@ import torch
 from dschat.data.packing import (
     attention_balance,
     layout_attention,
+    layout_window,
     prompt_ids,
     shared_prefix_mask,
     shared_prompt_groups,
 )
 from dschat.logits import token_logps
-from dschat.utils import unwrap
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -117,9 +117,8 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     rows_of: dict[int, list[int]] = {}
     for r, u in enumerate(same_prompt.tolist()):
         rows_of.setdefault(u, []).append(r)
-    window = getattr(getattr(unwrap(model), "config", None), "sliding_window", None)
     groups = shared_prompt_groups(list(rows_of.values()), p_len, a_len, attention_balance(model), seq.shape[1],
-                                  max_width=window if isinstance(window, int) and window > 0 else None)
+                                  max_width=layout_window(model))
     if groups is None:
         return None
     W = max(p_len[g[0]] + sum(a_len[r] for r in g) for g in groups)
