@@ -110,6 +110,55 @@ def test_repeated_prompts_prefill_once(kind, monkeypatch):
         assert torch.allclose(rollout.logprobs, answer_logprobs(model, rollout, temperature=0.8), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind,split", [("llama", 2), ("llama", 4), ("llama_bias", 2), ("llama_gqa_rope3", 2),
+                                        ("mistral", 2), ("qwen2", 4)])
+def test_split_step_equals_single_products(kind, split, monkeypatch):
+    """The one-token step with its products in S column blocks (``LeanLlama.split``, the CPU default) gives HF
+    generate's greedy tokens, and the single-product step's samples and log-probs from the same seed: GQA, q/k/v
+    and o biases, a vocabulary (97) padded to a multiple of S, tied embeddings (qwen2)."""
+    model = model_of("llama") if kind == "llama_bias" else model_of(kind)
+    if kind == "llama_bias":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True)).eval()
+    ids, mask = prompts()
+    used = []
+    step = LeanLlama._split_step
+    monkeypatch.setattr(LeanLlama, "_split_step", lambda self, *a: used.append(self.split) or step(self, *a))
+
+    def run(s, cfg, seed=0):
+        monkeypatch.setattr(LeanLlama, "default_split", staticmethod(lambda model: s))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return DschatBackend().generate(model, ids, mask, cfg, 1, PAD)
+
+    with torch.no_grad():
+        want = hf_greedy(model, ids, mask, 12, eos=1)
+    assert torch.equal(run(split, GenerationConfig(max_new_tokens=12, do_sample=False)).sequences, want)
+    assert len(used) == 11 and set(used) == {split}
+    sampled = GenerationConfig(max_new_tokens=12, temperature=0.8, logprobs=True)
+    one = run(1, sampled, seed=3)
+    assert len(used) == 11  # S = 1: the single products
+    blocks = run(split, sampled, seed=3)
+    assert torch.equal(blocks.sequences, one.sequences)
+    torch.testing.assert_close(blocks.logprobs, one.logprobs, atol=1e-6, rtol=0)
+
+
+def test_default_split(monkeypatch):
+    """S is the largest divisor of the head counts and widths up to torch's thread count; 1 with one thread, off
+    the CPU, or when the copy would pass SPLIT_COPY_BYTES."""
+    import dschat.generation as G
+
+    llama, gqa = model_of("llama"), model_of("llama_gqa_rope3")  # heads 4 / kv 4 and 4 / 2; hidden 32, MLP 64
+    for threads, want in ((1, (1, 1)), (2, (2, 2)), (3, (2, 2)), (4, (4, 2)), (8, (4, 2))):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert (LeanLlama.default_split(llama), LeanLlama.default_split(gqa)) == want, threads
+    # llama's attention + MLP + lm_head weights: 2 x (4 x 32 x 32 + 3 x 32 x 64) + 97 x 32 = 23,584 floats
+    monkeypatch.setattr(G, "SPLIT_COPY_BYTES", 23_584 * 4)
+    assert LeanLlama.default_split(llama) == 4
+    monkeypatch.setattr(G, "SPLIT_COPY_BYTES", 23_584 * 4 - 1)
+    assert LeanLlama.default_split(llama) == 1
+
+
 def test_stops_when_every_row_has_ended():
     model = model_of("llama")
     ids, mask = prompts()
