@@ -6,6 +6,8 @@ repeated), so the ratios are what matter (absolute numbers depend on the machine
 * ``dschat``: the hybrid engine's default: eval mode, ZeRO-3 parameters gathered once per call, dschat's decode
   loop (preallocated KV cache, lean per-token forward for Llama-architecture models).
 * ``hf``: the same, with transformers' ``generate`` as the loop (``--generation-backend hf``): the bare ceiling.
+* ``dschat, one product per weight``: the dschat loop with the lean step's column split off (``LeanLlama.split``
+  = 1; CPU only, where the split applies): what multiplying by column blocks on torch's threads gains.
 * ``hf, ZeRO-3 per-token gathers``: ``generate`` on the partitioned module without the single gather.
 * ``hf, no KV cache``: the single gather, ``use_cache=False`` (recomputes the prefix per token).
 
@@ -30,7 +32,7 @@ import torch  # noqa: E402
 
 from dschat import engine as E  # noqa: E402
 from dschat.config import EngineArgs, OptimArgs  # noqa: E402
-from dschat.generation import GenerationConfig  # noqa: E402
+from dschat.generation import GenerationConfig, LeanLlama  # noqa: E402
 from dschat.hybrid_engine import HybridEngine  # noqa: E402
 from dschat.models import create_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 
@@ -83,8 +85,18 @@ def main() -> None:
         module.train()
         return out
 
+    def dschat_single() -> torch.Tensor:
+        split = LeanLlama.__dict__["default_split"]
+        LeanLlama.default_split = staticmethod(lambda model: 1)  # type: ignore[method-assign]
+        try:
+            return ours.generate(prompt, mask, cfg, generator_seed=0)
+        finally:
+            LeanLlama.default_split = split  # type: ignore[method-assign]
+
     variants = [("dschat", lambda: ours.generate(prompt, mask, cfg, generator_seed=0)),
                 ("hf", lambda: hf.generate(prompt, mask, cfg, generator_seed=0))]
+    if not torch.cuda.is_available():
+        variants.append(("dschat, one product per weight", dschat_single))
     if not args.skip_slow:
         variants += [("hf, ZeRO-3 per-token gathers", hf_per_token), ("hf, no KV cache", hf_no_cache)]
     for _, fn in variants[:2]:  # warm-up
