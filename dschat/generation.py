@@ -30,6 +30,7 @@ inference) plugs in as another backend with the same ``generate`` signature (doc
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -131,6 +132,89 @@ def _split_rows(w: torch.Tensor, parts: int) -> torch.Tensor:
     return w.reshape(parts, -1, w.shape[-1]).transpose(1, 2).contiguous()
 
 
+class _Products:
+    """A Llama-architecture model's linear maps, one product per weight matrix (torch's own linear)."""
+
+    def __init__(self, model: torch.nn.Module, head_dim: int):
+        self.model, self.layers, self.D = model, model.model.layers, head_dim
+
+    def qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's queries, keys and values of ``h`` (B, n, hidden): (B, heads, n, D) each, not rotated."""
+        a, (B, n) = self.layers[i].self_attn, h.shape[:2]
+        q = _linear(h, a.q_proj.weight, a.q_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
+        k = _linear(h, a.k_proj.weight, a.k_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
+        v = _linear(h, a.v_proj.weight, a.v_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
+        return q, k, v
+
+    def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        a = self.layers[i].self_attn
+        return _linear(o, a.o_proj.weight, a.o_proj.bias)
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        f = self.layers[i].mlp
+        return _linear(F.silu(_linear(h, f.gate_proj.weight)) * _linear(h, f.up_proj.weight), f.down_proj.weight)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> logits (B, V)."""
+        return _linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+
+class _BlockProducts(_Products):
+    """The same maps for one token per row, each as ``S`` column blocks of its weight in one batched product
+    (``LeanLlama``'s docstring says why): q, k and v split by heads (block c holds heads c*H/S.. of all three), gate
+    and up likewise, o, down and the LM head by output columns (the vocabulary padded with zero rows to a multiple
+    of S, the padded logits dropped). The blocks are a copy of the weights, made once."""
+
+    def __init__(self, model: torch.nn.Module, head_dim: int, heads: int, kv_heads: int, S: int):
+        super().__init__(model, head_dim)
+        self.S, self.widths = S, (heads // S * head_dim, kv_heads // S * head_dim, kv_heads // S * head_dim)
+        self.blocks: list[tuple[torch.Tensor | None, ...]] = []
+        for layer in self.layers:
+            a, f = layer.self_attn, layer.mlp
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            w = torch.cat([p.weight.reshape(S, -1, p.weight.shape[1]) for p in qkv], dim=1)  # by heads
+            bias = None
+            if any(p.bias is not None for p in qkv):
+                bias = torch.cat([(p.bias if p.bias is not None else p.weight.new_zeros(p.out_features))
+                                  .reshape(S, 1, -1) for p in qkv], dim=2)
+            o_bias = None if a.o_proj.bias is None else a.o_proj.bias.reshape(S, 1, -1)
+            gate_up = torch.cat([f.gate_proj.weight.reshape(S, -1, f.gate_proj.weight.shape[1]),
+                                 f.up_proj.weight.reshape(S, -1, f.up_proj.weight.shape[1])], dim=1)
+            self.blocks.append((w.transpose(1, 2).contiguous(), bias, _split_rows(a.o_proj.weight, S), o_bias,
+                                gate_up.transpose(1, 2).contiguous(), _split_rows(f.down_proj.weight, S)))
+        head = model.lm_head
+        self.vocab = head.weight.shape[0]
+        pad = -self.vocab % S
+        self.head_blocks = (_split_rows(F.pad(head.weight, (0, 0, 0, pad)), S),
+                            None if head.bias is None else F.pad(head.bias, (0, pad)).reshape(S, 1, -1))
+
+    @staticmethod
+    def _merge(y: torch.Tensor) -> torch.Tensor:
+        """(S, B, N / S) blocks -> (B, 1, N)."""
+        return y.transpose(0, 1).reshape(y.shape[1], 1, -1)
+
+    def qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, S, D = h.shape[0], self.S, self.D
+        w, bias = self.blocks[i][:2]
+        parts = _split_bmm(h.view(B, -1), w, bias).split(self.widths, dim=-1)  # (S, B, heads / S * D) each
+        # block-major heads (S, B, heads / S, D) back to (B, heads, 1, D): heads in their own order
+        q, k, v = (p.view(S, B, -1, D).permute(1, 0, 2, 3).reshape(B, -1, 1, D) for p in parts)
+        return q, k, v
+
+    def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        w, bias = self.blocks[i][2:4]
+        return self._merge(_split_bmm(o.view(o.shape[0], -1), w, bias))
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        B = h.shape[0]
+        gate, up = _split_bmm(h.view(B, -1), self.blocks[i][4], None).chunk(2, -1)
+        return self._merge(_split_bmm((F.silu(gate) * up).transpose(0, 1).reshape(B, -1), self.blocks[i][5], None))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        w, bias = self.head_blocks
+        return _split_bmm(x, w, bias).transpose(0, 1).reshape(x.shape[0], -1)[:, :self.vocab]
+
+
 class LeanLlama:
     """Prefill and per-token forward of a Llama-architecture model over its own weights, with a KV cache of
     fixed size. Numerically the same operations as transformers' Llama/Mistral/Qwen2 modules in eval mode.
@@ -142,7 +226,11 @@ class LeanLlama:
     MLP's gate and up blocks in one product, o/down/lm_head by output columns. Every output is the same dot
     product over the same K as before (bit-identical on the tested models), and the weights are copied once per
     decoder into that layout (at most ``SPLIT_COPY_BYTES``). The default S is the largest divisor of the head
-    counts and widths up to torch's thread count, on CPUs only: 1.2-1.33x faster decoding on the 2-core CPU."""
+    counts and widths up to torch's thread count, on CPUs only: 1.05-1.46x faster decoding on the 2-core CPU (batch
+    32 to 8, ZeRO-0 and 3; docs/generation.md).
+
+    One layer loop (``layers``) serves the prefill, the eager one-token step and the compiled step; they differ in
+    their linear maps (``_Products``, ``_BlockProducts``) and in how they write and read the cache."""
 
     def __init__(self, model: torch.nn.Module, batch: int, total: int, split: int | None = None):
         self.model = model
@@ -153,7 +241,8 @@ class LeanLlama:
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.eps = cfg.rms_norm_eps
         self.split = self.default_split(model) if split is None else split
-        self._blocks: list[tuple[torch.Tensor | None, ...]] | None = None  # built at the first one-token step
+        self.single = _Products(model, self.D)
+        self.blocks: _BlockProducts | None = None  # made at the first one-token step when split > 1
         w = self.inner.embed_tokens.weight
         shape = (batch, self.Hkv, total, self.D)
         # zeros, not empty: the compiled step attends over every column, unfilled ones masked (garbage there could
@@ -221,70 +310,6 @@ class LeanLlama:
             return 1
         return max(s for s in range(1, threads + 1) if all(n % s == 0 for n in widths))
 
-    def _split_blocks(self) -> list[tuple[torch.Tensor | None, ...]]:
-        """Per layer (qkv, qkv bias, o, o bias, gate|up, down) in ``_split_bmm``'s layout, then (lm_head, bias)
-        with the vocabulary padded by zero rows to a multiple of S (the padded logits are dropped)."""
-        S = self.split
-        blocks: list[tuple[torch.Tensor | None, ...]] = []
-        for layer in self.inner.layers:
-            a, f = layer.self_attn, layer.mlp
-            qkv = (a.q_proj, a.k_proj, a.v_proj)
-            w = torch.cat([p.weight.reshape(S, -1, p.weight.shape[1]) for p in qkv], dim=1)  # by heads
-            bias = None
-            if any(p.bias is not None for p in qkv):
-                bias = torch.cat([(p.bias if p.bias is not None else p.weight.new_zeros(p.out_features))
-                                  .reshape(S, 1, -1) for p in qkv], dim=2)
-            o_bias = None if a.o_proj.bias is None else a.o_proj.bias.reshape(S, 1, -1)
-            gate_up = torch.cat([f.gate_proj.weight.reshape(S, -1, f.gate_proj.weight.shape[1]),
-                                 f.up_proj.weight.reshape(S, -1, f.up_proj.weight.shape[1])], dim=1)
-            blocks.append((w.transpose(1, 2).contiguous(), bias, _split_rows(a.o_proj.weight, S), o_bias,
-                           gate_up.transpose(1, 2).contiguous(), _split_rows(f.down_proj.weight, S)))
-        head = self.model.lm_head
-        V = head.weight.shape[0]
-        pad = -V % S
-        w = F.pad(head.weight, (0, 0, 0, pad))
-        bias = None if head.bias is None else F.pad(head.bias, (0, pad)).reshape(S, 1, -1)
-        blocks.append((_split_rows(w, S), bias))
-        return blocks
-
-    def _split_step(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """``forward`` for one token per row with the products in S column blocks (see the class docstring)."""
-        if self._blocks is None:
-            self._blocks = self._split_blocks()
-        B, S, H, Hkv, D = ids.shape[0], self.split, self.H, self.Hkv, self.D
-        hq, hk = H // S, Hkv // S
-        start = self.length
-        end = start + 1
-        self.keys[:, start:end] = real.bool()
-        emb = self.inner.embed_tokens
-        x = F.embedding(ids[:, 0], emb.weight, emb.padding_idx)  # (B, h)
-        width = x.shape[-1]
-        at = positions[:, 0]
-        cos, sin = self.cos[at][None, :, None], self.sin[at][None, :, None]  # (1, B, 1, D)
-        mask = self.keys[:, None, None, :end]
-
-        def residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # y (S, B, h / S): block c is x's c-th
-            return (x.view(B, S, -1) + y.transpose(0, 1)).view(B, width)
-
-        for i, layer in enumerate(self.inner.layers):
-            w_qkv, b_qkv, w_o, b_o, w_gu, w_down = self._blocks[i]
-            q, k, v = _split_bmm(self._norm(x, layer.input_layernorm.weight), w_qkv, b_qkv).split(
-                (hq * D, hk * D, hk * D), dim=-1)
-            # block-major heads (S, B, H / S, D) back to the cache's (B, H, D): heads in their own order
-            q = self._rotate(q.view(S, B, hq, D), cos, sin).permute(1, 0, 2, 3).reshape(B, H, 1, D)
-            k = self._rotate(k.view(S, B, hk, D), cos, sin)
-            self.k[i][:, :, start] = k.permute(1, 0, 2, 3).reshape(B, Hkv, D)
-            self.v[i][:, :, start] = v.view(S, B, hk, D).permute(1, 0, 2, 3).reshape(B, Hkv, D)
-            o = F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
-                                               enable_gqa=H != Hkv)
-            x = residual(x, _split_bmm(o.reshape(B, H * D), w_o, b_o))
-            gate, up = _split_bmm(self._norm(x, layer.post_attention_layernorm.weight), w_gu, None).chunk(2, -1)
-            x = residual(x, _split_bmm((F.silu(gate) * up).transpose(0, 1).reshape(B, -1), w_down, None))
-        self.length = end
-        w_head, b_head = self._blocks[-1]
-        logits = _split_bmm(self._norm(x, self.inner.norm.weight), w_head, b_head).transpose(0, 1).reshape(B, -1)
-        return logits[:, :self.model.lm_head.weight.shape[0]].float()
-
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and weight.dtype == torch.float32:
@@ -300,12 +325,33 @@ class LeanLlama:
         # and the minus sits in signed_sin = cat(-sin1, sin2); (-a) * b == -(a * b) exactly, so the bits match
         return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
+    def products(self, n: int) -> _Products:
+        """The linear maps for ``n`` tokens per row: column blocks for one token when ``split`` > 1 (made at the
+        first such step), else one product per weight."""
+        if n > 1 or self.split == 1:
+            return self.single
+        if self.blocks is None:
+            self.blocks = _BlockProducts(self.model, self.D, self.H, self.Hkv, self.split)
+        return self.blocks
+
+    def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, products: _Products,
+               write: Callable[[int, torch.Tensor, torch.Tensor], None],
+               attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The decoder layers over ``x`` (B, n, hidden): ``write(i, k, v)`` puts layer i's rotated keys and values
+        in its cache, ``attend(i, q)`` attends over it. Returns the last position's final-norm hidden state."""
+        B, n = x.shape[:2]
+        for i, layer in enumerate(self.inner.layers):
+            q, k, v = products.qkv(i, self._norm(x, layer.input_layernorm.weight))
+            write(i, self._rotate(k, cos, sin), v)
+            o = attend(i, self._rotate(q, cos, sin))
+            x = x + products.out(i, o.transpose(1, 2).reshape(B, n, -1))
+            x = x + products.mlp(i, self._norm(x, layer.post_attention_layernorm.weight))
+        return self._norm(x[:, -1], self.inner.norm.weight)
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run ``ids`` (B, n) at ``positions`` (B, n), appending their keys/values to the cache; ``real`` (B, n)
         marks non-pad tokens. Returns the last position's logits (B, V) in float32."""
         B, n = ids.shape
-        if n == 1 and self.split > 1:
-            return self._split_step(ids, positions, real)
         start, end = self.length, self.length + n
         self.keys[:, start:end] = real.bool()
         # the weights directly, not the modules: under ZeRO-3 every module call runs DeepSpeed's fetch/release
@@ -319,24 +365,19 @@ class LeanLlama:
             mask = mask.expand(B, 1, n, end).clone()
             mask[..., start:] &= causal
             mask[..., start:] |= torch.eye(n, dtype=torch.bool, device=ids.device)
-        H, Hkv, D = self.H, self.Hkv, self.D
-        for i, layer in enumerate(self.inner.layers):
-            a, f = layer.self_attn, layer.mlp
-            h = self._norm(x, layer.input_layernorm.weight)
-            q = _linear(h, a.q_proj.weight, a.q_proj.bias).view(B, n, H, D).transpose(1, 2)
-            k = _linear(h, a.k_proj.weight, a.k_proj.bias).view(B, n, Hkv, D).transpose(1, 2)
-            v = _linear(h, a.v_proj.weight, a.v_proj.bias).view(B, n, Hkv, D).transpose(1, 2)
-            self.k[i][:, :, start:end] = self._rotate(k, cos, sin)
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[i][:, :, start:end] = k
             self.v[i][:, :, start:end] = v
-            o = F.scaled_dot_product_attention(self._rotate(q, cos, sin), self.k[i][:, :, :end],
-                                               self.v[i][:, :, :end], attn_mask=mask, enable_gqa=H != Hkv)
-            x = x + _linear(o.transpose(1, 2).reshape(B, n, H * D), a.o_proj.weight, a.o_proj.bias)
-            h = self._norm(x, layer.post_attention_layernorm.weight)
-            x = x + _linear(F.silu(_linear(h, f.gate_proj.weight)) * _linear(h, f.up_proj.weight),
-                             f.down_proj.weight)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
+                                                  enable_gqa=self.H != self.Hkv)
+
+        products = self.products(n)
+        last = self.layers(x, cos, sin, products, write, attend)
         self.length = end
-        last = self._norm(x[:, -1], self.inner.norm.weight)
-        return _linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float()
+        return products.head(last).float()
 
     def adopt(self, other: LeanLlama, rows: torch.Tensor) -> None:
         """Take ``other``'s cache as this one's: row ``r`` gets ``other``'s row ``rows[r]`` (the prompts prefilled
@@ -353,29 +394,21 @@ class LeanLlama:
         """One token per row, static shapes (``torch.compile``): ``ids`` (B, 1) at rotary ``positions`` (B,), written
         to cache column ``column`` (1,), attending over the whole cache where ``keys`` (B, total) is True (this
         column included). Returns the logits (B, V) in float32 and the updated ``keys``."""
-        B = ids.shape[0]
         keys = keys.index_fill(1, column, True)
         emb = self.inner.embed_tokens
         x = F.embedding(ids, emb.weight, emb.padding_idx)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, D)
         mask = keys[:, None, None, :]
-        H, Hkv, D = self.H, self.Hkv, self.D
-        for i, layer in enumerate(self.inner.layers):
-            a, f = layer.self_attn, layer.mlp
-            h = self._norm(x, layer.input_layernorm.weight)
-            q = _linear(h, a.q_proj.weight, a.q_proj.bias).view(B, 1, H, D).transpose(1, 2)
-            k = _linear(h, a.k_proj.weight, a.k_proj.bias).view(B, 1, Hkv, D).transpose(1, 2)
-            v = _linear(h, a.v_proj.weight, a.v_proj.bias).view(B, 1, Hkv, D).transpose(1, 2)
-            self.k[i].index_copy_(2, column, self._rotate(k, cos, sin))
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[i].index_copy_(2, column, k)
             self.v[i].index_copy_(2, column, v)
-            o = F.scaled_dot_product_attention(self._rotate(q, cos, sin), self.k[i], self.v[i], attn_mask=mask,
-                                               enable_gqa=H != Hkv)
-            x = x + _linear(o.transpose(1, 2).reshape(B, 1, H * D), a.o_proj.weight, a.o_proj.bias)
-            h = self._norm(x, layer.post_attention_layernorm.weight)
-            x = x + _linear(F.silu(_linear(h, f.gate_proj.weight)) * _linear(h, f.up_proj.weight),
-                             f.down_proj.weight)
-        last = self._norm(x[:, -1], self.inner.norm.weight)
-        return _linear(last, self.model.lm_head.weight, self.model.lm_head.bias).float(), keys
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask,
+                                                  enable_gqa=self.H != self.Hkv)
+
+        return self.single.head(self.layers(x, cos, sin, self.single, write, attend)).float(), keys
 
 
 _compiled_step: Any = None

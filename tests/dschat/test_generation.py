@@ -24,6 +24,7 @@ from dschat.generation import (
     GenerationConfig,
     HFForward,
     LeanLlama,
+    _BlockProducts,
     next_token,
     sample,
     token_logprobs,
@@ -121,9 +122,9 @@ def test_split_step_equals_single_products(kind, split, monkeypatch):
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True)).eval()
     ids, mask = prompts()
-    used = []
-    step = LeanLlama._split_step
-    monkeypatch.setattr(LeanLlama, "_split_step", lambda self, *a: used.append(self.split) or step(self, *a))
+    used = []  # S of every one-token step that ran as column blocks
+    head = _BlockProducts.head
+    monkeypatch.setattr(_BlockProducts, "head", lambda self, x: used.append(self.S) or head(self, x))
 
     def run(s, cfg, seed=0):
         monkeypatch.setattr(LeanLlama, "default_split", staticmethod(lambda model: s))
