@@ -224,7 +224,8 @@ class LeanLlama:
     instead multiplies by S column blocks of each weight in one batched product (torch runs the blocks on S
     threads): the attention weights split by heads (block c holds heads c*H/S.. of q, k and v, one product), the
     MLP's gate and up blocks in one product, o/down/lm_head by output columns. Every output is the same dot
-    product over the same K as before (bit-identical on the tested models), and the weights are copied once per
+    product over the same K as before (bit-identical on the bench model; MKL may round a narrower product
+    differently, within 2e-6 in log-prob on the tested ones), and the weights are copied once per
     decoder into that layout (at most ``SPLIT_COPY_BYTES``). The default S is the largest divisor of the head
     counts and widths up to torch's thread count, on CPUs only: 1.05-1.46x faster decoding on the 2-core CPU (batch
     32 to 8, ZeRO-0 and 3; docs/generation.md).

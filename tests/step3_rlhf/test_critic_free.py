@@ -133,7 +133,9 @@ def _two_ranks(rank: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         rows = slice(0, 2) if rank == 0 else slice(2, 4)  # one prompt's group per rank
-        queue.put((rank, [_advantages(c, *_shard(rank, rows)) for c in (ReinforcePP, ReinforcePPBaseline)]))
+        # plain lists, not tensors: a tensor crosses the queue as a shared-memory handle that the parent can only
+        # open while this process is alive, and it may have exited by then (seen on a loaded machine)
+        queue.put((rank, [_advantages(c, *_shard(rank, rows)).tolist() for c in (ReinforcePP, ReinforcePPBaseline)]))
     finally:
         dist.destroy_process_group()
 
@@ -156,7 +158,7 @@ def test_reinforce_pp_whitens_over_all_ranks():
         p.join(timeout=60)
         assert p.exitcode == 0
     for i in range(2):
-        torch.testing.assert_close(torch.cat([got[0][i], got[1][i]]), whole[i], rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got[0][i] + got[1][i]), whole[i], rtol=0, atol=1e-6)
     # sanity: the whole-batch advantages are whitened over the kept tokens (mean 0, unbiased std 1)
     mask = _shard(0, slice(0, 4))[1].action_mask
     assert abs(L.masked_mean(whole[0], mask).item()) < 1e-6
