@@ -127,9 +127,10 @@ def _split_bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return torch.bmm(xs, w) if bias is None else torch.baddbmm(bias, xs, w)
 
 
-def _split_rows(w: torch.Tensor, parts: int) -> torch.Tensor:
-    """``w`` (N, K) as ``parts`` blocks of N / parts rows, transposed: (parts, K, N / parts), contiguous."""
-    return w.reshape(parts, -1, w.shape[-1]).transpose(1, 2).contiguous()
+def _split_rows(parts: int, *weights: torch.Tensor) -> torch.Tensor:
+    """Each of ``weights`` (N_j, K) cut into ``parts`` blocks of rows, block c of all of them side by side,
+    transposed: (parts, K, sum_j N_j / parts), contiguous (``_split_bmm``'s layout)."""
+    return torch.cat([w.reshape(parts, -1, w.shape[-1]) for w in weights], dim=1).transpose(1, 2).contiguous()
 
 
 class _Products:
@@ -172,20 +173,19 @@ class _BlockProducts(_Products):
         for layer in self.layers:
             a, f = layer.self_attn, layer.mlp
             qkv = (a.q_proj, a.k_proj, a.v_proj)
-            w = torch.cat([p.weight.reshape(S, -1, p.weight.shape[1]) for p in qkv], dim=1)  # by heads
             bias = None
             if any(p.bias is not None for p in qkv):
                 bias = torch.cat([(p.bias if p.bias is not None else p.weight.new_zeros(p.out_features))
                                   .reshape(S, 1, -1) for p in qkv], dim=2)
             o_bias = None if a.o_proj.bias is None else a.o_proj.bias.reshape(S, 1, -1)
-            gate_up = torch.cat([f.gate_proj.weight.reshape(S, -1, f.gate_proj.weight.shape[1]),
-                                 f.up_proj.weight.reshape(S, -1, f.up_proj.weight.shape[1])], dim=1)
-            self.blocks.append((w.transpose(1, 2).contiguous(), bias, _split_rows(a.o_proj.weight, S), o_bias,
-                                gate_up.transpose(1, 2).contiguous(), _split_rows(f.down_proj.weight, S)))
+            self.blocks.append((_split_rows(S, *(p.weight for p in qkv)), bias,  # q, k, v by heads
+                                _split_rows(S, a.o_proj.weight), o_bias,
+                                _split_rows(S, f.gate_proj.weight, f.up_proj.weight),
+                                _split_rows(S, f.down_proj.weight)))
         head = model.lm_head
         self.vocab = head.weight.shape[0]
         pad = -self.vocab % S
-        self.head_blocks = (_split_rows(F.pad(head.weight, (0, 0, 0, pad)), S),
+        self.head_blocks = (_split_rows(S, F.pad(head.weight, (0, 0, 0, pad))),
                             None if head.bias is None else F.pad(head.bias, (0, pad)).reshape(S, 1, -1))
 
     @staticmethod
@@ -241,7 +241,7 @@ class LeanLlama:
         self.Hkv = cfg.num_key_value_heads or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.eps = cfg.rms_norm_eps
-        self.split = self.default_split(model) if split is None else split
+        self.split = split  # None: default_split, decided at the first one-token step (a prefill never needs it)
         self.single = _Products(model, self.D)
         self.blocks: _BlockProducts | None = None  # made at the first one-token step when split > 1
         w = self.inner.embed_tokens.weight
@@ -329,7 +329,11 @@ class LeanLlama:
     def products(self, n: int) -> _Products:
         """The linear maps for ``n`` tokens per row: column blocks for one token when ``split`` > 1 (made at the
         first such step), else one product per weight."""
-        if n > 1 or self.split == 1:
+        if n > 1:
+            return self.single
+        if self.split is None:
+            self.split = self.default_split(self.model)
+        if self.split == 1:
             return self.single
         if self.blocks is None:
             self.blocks = _BlockProducts(self.model, self.D, self.H, self.Hkv, self.split)

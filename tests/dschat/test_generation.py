@@ -117,10 +117,11 @@ def test_split_step_equals_single_products(kind, split, monkeypatch):
     """The one-token step with its products in S column blocks (``LeanLlama.split``, the CPU default) gives HF
     generate's greedy tokens, and the single-product step's samples and log-probs from the same seed: GQA, q/k/v
     and o biases, a vocabulary (97) padded to a multiple of S, tied embeddings (qwen2)."""
-    model = model_of("llama") if kind == "llama_bias" else model_of(kind)
     if kind == "llama_bias":
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True)).eval()
+    else:
+        model = model_of(kind)
     ids, mask = prompts()
     used = []  # S of every one-token step that ran as column blocks
     head = _BlockProducts.head
