@@ -38,8 +38,8 @@ def main() -> None:
     from dschat.data import DataCollatorSFT, load_phase
     from dschat.data.packing import real_tokens, sft_inputs
     from dschat.demo import demo_data
-    from dschat.models import create_causal_lm, load_tokenizer, resolve_model
-    from dschat.stage import resumable_batches, training_loader
+    from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
+    from dschat.training.stage import resumable_batches, training_loader
 
     E.setup_distributed()
     path = resolve_model(a.model)

@@ -12,7 +12,7 @@ Each row trains the same model on the same data three ways, each in a fresh proc
 Rows (``--only``): ``sft`` and ``sft-packed`` (``--packing``), ``rm`` (reward model), ``dpo`` (``--algo dpo``),
 ``grpo`` (2 prompts x 4 completions, 64 new tokens), ``ppo`` (8 prompts, 64 new tokens, 4 PPO epochs).
 The workload (built once under ``--work``, no Hub): the demo tokenizer dschat ships, a seeded 4-layer Llama
-(hidden 256, as the shared dschat-vs-TRL harness), a reward/critic model from the same config, 512 demo
+(hidden 256), a reward/critic model from the same config, 512 demo
 preference rows and 512 demo prompts. fp32, constant learning rate, no gradient checkpointing, no evaluation.
 
 Timing: 2 warm-up steps, then ``--steps`` timed steps (default per row); the window runs from the end of the last
@@ -73,7 +73,7 @@ class Shape:
 class Row:
     stage: int
     unit: str
-    steps: int  # default timed steps (those of the shared harness)
+    steps: int  # default timed steps
     trl: str | None  # TRL's trainer for the row, if any
     setting: str
 
@@ -125,8 +125,8 @@ def build_workload(work: str | Path, hidden: int = 256, intermediate: int = 704,
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     from dschat.demo import corpus
-    from dschat.models import load_tokenizer
-    from dschat.tiny import TOKENIZER_MODEL_PATH, save_tiny_tokenizer, tiny_model_config
+    from dschat.models.loading import load_tokenizer
+    from dschat.models.tiny import TOKENIZER_MODEL_PATH, save_tiny_tokenizer, tiny_model_config
     from dschat.utils import atomic_dir, write_jsonl
 
     sizes = {"hidden": hidden, "intermediate": intermediate, "layers": layers, "heads": heads, "pairs": pairs,
@@ -165,7 +165,7 @@ def build_workload(work: str | Path, hidden: int = 256, intermediate: int = 704,
 
 # ------------------------------------------------------------------------------------------------ dschat side
 def dschat_flags(row: str, wl: dict[str, Any], shape: Shape, steps: int, out: Path) -> list[str]:
-    """``dschat train`` arguments of a row: the shared harness's settings (fp32, no gradient checkpointing,
+    """``dschat train`` arguments of a row: the benchmark's common settings (fp32, no gradient checkpointing,
     constant learning rate, no evaluation or saving during the run, a metrics row per step)."""
     s = shape
     common = ["--dtype", "fp32", "--seed", str(SEED), "--max-seq-len", str(s.max_seq_len), "--eval-fraction", "0",
@@ -249,10 +249,10 @@ def _phase_rows(wl: dict[str, Any], shape: Shape, phase: int, file: str, tok: An
 
 
 def loader_batches(rows: list[Any], batch_size: int, collator: Any, data: Any, n: int) -> list[tuple[Any, int]]:
-    """The first ``n`` batches dschat's training loader yields (``dschat.stage.training_loader``, epoch after
+    """The first ``n`` batches dschat's training loader yields (``dschat.training.stage.training_loader``, epoch after
     epoch, as its ``EpochStream``), each with the number of dataset rows in it (packs count their rows)."""
     from dschat.data.packing import unpacked_rows
-    from dschat.stage import training_loader
+    from dschat.training.stage import training_loader
 
     loader = training_loader(rows, batch_size, collator, SEED, data)
     out: list[tuple[Any, int]] = []
@@ -349,7 +349,7 @@ def ceiling(row: str, wl: dict[str, Any], shape: Shape, n: int) -> tuple[list[tu
     import torch
     import torch.nn.functional as F
 
-    from dschat.models import load_tokenizer
+    from dschat.models.loading import load_tokenizer
 
     dev, s = _device(), shape
     tok = load_tokenizer(wl["policy"])
@@ -600,7 +600,7 @@ def run_side(side: str, row: str, wl: dict[str, Any], args: argparse.Namespace, 
     log = logs / f"{tag}.log"
     shutil.rmtree(out, ignore_errors=True)
     if side == "dschat":
-        cmd = [sys.executable, "-c", "from dschat.cli import cli; cli()", "train",
+        cmd = [sys.executable, "-c", "from dschat.cli.main import cli; cli()", "train",
                *dschat_flags(row, wl, Shape(), steps, out)]
     else:
         python = args.trl_python if side == "trl" else sys.executable

@@ -3,7 +3,7 @@
 A stage's configuration is a dataclass whose fields are the shared pieces (``ModelArgs``, ``DataArgs``,
 ``OptimArgs``, ``EngineArgs``, ``RunArgs``) plus a piece of its own. The click options of ``dschat train`` and of
 each ``stepN/main.py`` and the keys of ``--config FILE`` are generated from these definitions (see
-``dschat.cli``), so the help text, the default and the type live in exactly one place.
+``dschat.cli.main``), so the help text, the default and the type live in exactly one place.
 
 Field names are unique across the pieces of a stage: the command line is flat (``--learning-rate``), the
 configuration is nested (``cfg.optim.learning_rate``), and functions take only the piece they need.
@@ -151,8 +151,9 @@ class RunArgs:
 @dataclass
 class RewardArgs:
     rm_loss: str = arg("pairwise", "Reward loss: 'pairwise' compares the diverging tails token by token "
-                                   "(DeepSpeed-Chat, pad-safe; SPEC 4); 'last-token' compares end scores, minus "
-                                   "each row's optional 'margin'.", choices=("pairwise", "last-token"))
+                                   "(DeepSpeed-Chat, pad-safe; docs/algorithms.md, Reward-model loss); 'last-token' "
+                                   "compares end scores, minus each row's optional 'margin'.",
+                       choices=("pairwise", "last-token"))
     rm_center_coef: float = arg(0.0, "Weight of the centring term coef * (score_c + score_x)^2 that keeps scores "
                                      "near zero (--rm-loss last-token only).", low=0)
 
@@ -162,8 +163,8 @@ class RewardArgs:
 
 @dataclass
 class KDArgs:
-    """Knowledge distillation in stage 1 (Hinton et al. 2015, arXiv:1503.02531; SPEC 7 ``kd``): the loss is
-    ``(1 - kd_coef) * CE + kd_coef * T^2 * KL(teacher_T || student_T)`` over the answer tokens."""
+    """Knowledge distillation in stage 1 (Hinton et al. 2015, arXiv:1503.02531; docs/algorithms.md, Distillation):
+    the loss is ``(1 - kd_coef) * CE + kd_coef * T^2 * KL(teacher_T || student_T)`` over the answer tokens."""
 
     teacher_model: str = arg("", "Teacher for knowledge distillation: a causal LM with the student's tokenizer (a "
                                  "stage output folder stands for its actor/ or model/), frozen, at the student's "

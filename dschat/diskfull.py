@@ -2,8 +2,8 @@
 
 Writers fail in several dialects when the disk fills: ``OSError`` ENOSPC/EDQUOT from Python, safetensors'
 ``SafetensorError ... No space left on device``, and torch's zip writer ``[enforce fail at inline_container.cc]
-... unexpected pos`` (issue 11, item 3). ``disk_full_guard`` recognises them, removes the partial files it is
-told about, and raises a ``UserError`` (exit 2) instead of a traceback.
+... unexpected pos``. ``disk_full_guard`` recognises them, removes the partial files it is told about, and raises
+a ``UserError`` (exit 2) instead of a traceback.
 """
 
 from __future__ import annotations

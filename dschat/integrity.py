@@ -1,4 +1,4 @@
-"""Loading only what dschat wrote (issue 11, item 1).
+"""Loading only what dschat wrote (docs/operations.md, Security).
 
 A pickle runs code when it is loaded. dschat's own files load without pickles: tensors with
 ``torch.load(weights_only=True)``, everything else as JSON. DeepSpeed's checkpoint loaders (``load_checkpoint``
@@ -74,7 +74,7 @@ def read_manifest(folder: str | Path) -> tuple[dict[str, dict[str, Any]] | None,
 
 def precheck(folder: str | Path) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
     """The manifest's entries when the folder holds exactly its files at their sizes, else a problem (no
-    hashing yet: that part may be shared between ranks, see ``dschat.resume``)."""
+    hashing yet: that part may be shared between ranks, see ``dschat.training.resume``)."""
     files, problem = read_manifest(folder)
     if files is None:
         return None, problem

@@ -2,10 +2,10 @@
 
 Nothing here knows about models, configs, ranks or ``torch.distributed``: each function takes tensors and
 plain numbers and returns tensors (losses come back as a NamedTuple of the loss plus detached stats). That
-keeps every formula of SPEC sections 4-7 unit-testable against hand-worked numbers, and keeps
+keeps every formula of docs/algorithms.md unit-testable against hand-worked numbers, and keeps
 ``import dschat.losses`` free of deepspeed and transformers.
 
-Shape conventions (house names, STYLE.md):
+Shape conventions (the names used throughout dschat):
     B  rows (sequences, or pairs for pairwise losses)
     T  tokens per row; token tensors are ``(B, T)`` and ``action_mask`` marks the answer tokens that count
     V  vocabulary size
@@ -200,8 +200,8 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, unbi
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Normalise ``x`` to mean 0 and (unbiased) variance 1 over the kept positions of the whole tensor.
 
-    Used for advantage whitening (SPEC 5.4, optional). With ``shift_mean=False`` the mean is kept and only the
-    scale changes (as is usual when whitening rewards). Masked positions come back as 0.
+    Used for advantage whitening (optional; docs/algorithms.md, PPO). With ``shift_mean=False`` the mean is kept
+    and only the scale changes (as is usual when whitening rewards). Masked positions come back as 0.
 
     Args:
         x: ``(B, T)`` e.g. advantages.
@@ -262,7 +262,7 @@ def end_indices(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Stage 2: reward model losses (SPEC 4)
+# Stage 2: reward model losses (docs/algorithms.md, Reward-model loss)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -274,7 +274,7 @@ def pairwise_loss(
     chosen_mask: torch.Tensor,
     rejected_mask: torch.Tensor,
 ) -> PairwiseLossOutput:
-    """DeepSpeed-Chat's divergence-truncated pairwise loss, made pad-safe (SPEC 4).
+    """DeepSpeed-Chat's divergence-truncated pairwise loss, made pad-safe (docs/algorithms.md, Reward-model loss).
 
     For each pair, ``c_end`` / ``x_end`` = one past the last real token (from the attention mask), ``div`` =
     first position where the two sequences differ (a token differs, or one is real and the other padding),
@@ -285,8 +285,8 @@ def pairwise_loss(
     hence the truncation at ``div`` (Ouyang et al. 2022 compare whole answers; DeepSpeed-Chat compares the
     diverging tail token by token).
 
-    Identical pairs are dropped by the data pipeline (SPEC 2); if one slips through, the pair compares only
-    its end scores (``div = end - 1``) instead of producing an empty mean.
+    Identical pairs are dropped by the data pipeline (docs/data.md, Drops and the cache); if one slips through,
+    the pair compares only its end scores (``div = end - 1``) instead of producing an empty mean.
 
     Args:
         chosen_values, rejected_values: ``(B, L)`` per-token values ``v_head(h)``.
@@ -332,7 +332,7 @@ def last_token_pairwise_loss(
     margin: torch.Tensor | None = None,
     center_coef: float = 0.0,
 ) -> PairwiseLossOutput:
-    """Bradley-Terry loss on end scores (``--rm-loss last-token``, SPEC 4).
+    """Bradley-Terry loss on end scores (``--rm-loss last-token``; docs/algorithms.md, Reward-model loss).
 
     ``loss_i = -logsigmoid(c_i - x_i - margin_i) + center_coef * (c_i + x_i)^2``, mean over pairs. The
     margin is Llama 2's preference-strength margin (Touvron et al. 2023, sec. 3.2.2); the centring term keeps
@@ -359,7 +359,7 @@ def last_token_pairwise_loss(
 
 @torch.no_grad()
 def pairwise_metrics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> PairwiseMetrics:
-    """Reward-model eval metrics (SPEC 4): accuracy with ties counted half, mean scores, mean margin.
+    """Reward-model eval metrics: accuracy with ties counted half, mean scores, mean margin.
 
     Ties count half so that a constant model scores 0.5, not 0 or 1.
 
@@ -377,7 +377,7 @@ def pairwise_metrics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor)
 
 
 # --------------------------------------------------------------------------------------------------
-# Stage 3: PPO (SPEC 5)
+# Stage 3: PPO (docs/algorithms.md, PPO)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -388,7 +388,7 @@ def approx_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstima
         k1 = -log_r                  (unbiased, high variance, can be negative)
         k2 = 0.5 * log_r^2           (biased, low variance, >= 0)
         k3 = exp(log_r) - log_r - 1  (unbiased, >= 0; DeepSeekMath's GRPO KL term), with ``log_r`` clamped
-                                     to +-20 first so ``exp`` stays finite (SPEC 6).
+                                     to +-20 first so ``exp`` stays finite.
 
     Args:
         logprobs, ref_logprobs: ``(B, T)``; the samples come from the distribution of ``logprobs``.
@@ -417,7 +417,7 @@ def kl_penalized_rewards(
     kl_ctl: float,
     clip_reward_value: float,
 ) -> torch.Tensor:
-    """Per-token PPO rewards (SPEC 5.3; Ziegler et al. 2019, Ouyang et al. 2022).
+    """Per-token PPO rewards (Ziegler et al. 2019, Ouyang et al. 2022).
 
     ``r_t = -kl_ctl * (logprobs_t - ref_logprobs_t)`` on answer tokens, plus
     ``clip(score, -clip_reward_value, clip_reward_value)`` at the last real answer token. The last token is
@@ -449,7 +449,7 @@ def gae(
     gamma: float,
     lam: float,
 ) -> GAEOutput:
-    """Generalised advantage estimation over answer tokens (Schulman et al. 2016; SPEC 5.4).
+    """Generalised advantage estimation over answer tokens (Schulman et al. 2016).
 
     Backwards over t: ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
     ``R_t = A_t + V_t``, with ``V`` and ``A`` after the last real answer token taken as 0 (the episode ends
@@ -492,7 +492,7 @@ def ppo_policy_loss(
     action_mask: torch.Tensor,
     cliprange: float,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate (Schulman et al. 2017; SPEC 5.5), mean over all answer tokens of the batch.
+    """PPO clipped surrogate (Schulman et al. 2017), mean over all answer tokens of the batch.
 
     ``loss = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps))``,
     ``ratio = exp(logp - old)``.
@@ -528,7 +528,7 @@ def ppo_value_loss(
     action_mask: torch.Tensor,
     cliprange_value: float,
 ) -> ValueLossOutput:
-    """Clipped critic loss (SPEC 5.5): ``0.5 * mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
+    """Clipped critic loss: ``0.5 * mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 
     The pessimistic max keeps the critic from moving far from the values used to build the advantages in one
     update (as in OpenAI baselines' PPO2; Engstrom et al. 2020 question its benefit, so ``c`` is a flag).
@@ -552,7 +552,7 @@ def ppo_value_loss(
 
 
 class FixedKLController:
-    """Constant KL coefficient (``kl_ctl``, SPEC 5.3)."""
+    """Constant KL coefficient (``kl_ctl``)."""
 
     def __init__(self, kl_coef: float) -> None:
         self.value = kl_coef
@@ -580,7 +580,7 @@ class AdaptiveKLController:
 
 
 # --------------------------------------------------------------------------------------------------
-# GRPO family (SPEC 6)
+# GRPO family (docs/algorithms.md, GRPO family)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -636,7 +636,7 @@ def grpo_policy_loss(
     max_completion_length: int | None = None,
     normalizer: float | None = None,
 ) -> GRPOLossOutput:
-    """GRPO-family policy loss (SPEC 6).
+    """GRPO-family policy loss (docs/algorithms.md, GRPO family).
 
     Per token: ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * kl`` with
     ``ratio = exp(logp - old)`` and ``kl`` the chosen estimator of KL(pi || ref). Aggregation:
@@ -742,7 +742,7 @@ def grpo_loss_units(action_mask: torch.Tensor, loss_type: GRPOLossType,
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
-    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13; SPEC 6 rule ``overlong``).
+    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13; rule ``overlong``, docs/algorithms.md).
 
     0 up to ``max_len - buffer`` tokens, then falls linearly to ``-factor`` at ``max_len`` and stays there:
     ``-min(len - (max_len - buffer), buffer) / buffer * factor``.
@@ -779,7 +779,7 @@ def dynamic_sampling_mask(rewards: torch.Tensor, num_generations: int) -> torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Critic-free estimators (SPEC 7): RLOO, REINFORCE++, ReMax
+# Critic-free estimators (docs/algorithms.md, Critic-free estimators): RLOO, REINFORCE++, ReMax
 # --------------------------------------------------------------------------------------------------
 
 
@@ -885,7 +885,7 @@ def whiten_from_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------
-# Other stages (SPEC 7)
+# Other stages (docs/algorithms.md, DPO family and Distillation)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -906,7 +906,8 @@ def dpo_loss(
     ``cdpo``: ``-(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h)`` (Mitchell 2023, "A note on DPO
     with noisy preferences": each label flipped with probability ``eps``).
     ``ipo``: ``(h - 1 / (2 * beta))^2`` (IPO, arXiv:2310.12036 eq. 17, where ``beta`` is their ``tau``); the paper
-    uses length-averaged log-probs, so pass ``sum / answer length`` for all four (SPEC 7 does).
+    uses length-averaged log-probs, so pass ``sum / answer length`` for all four (``dschat.rlhf.dpo`` does;
+    docs/algorithms.md, DPO family).
 
     Args:
         policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps: ``(B,)``.
@@ -950,7 +951,7 @@ def simpo_loss(
 
     Args:
         policy_chosen_logps, policy_rejected_logps: ``(B,)`` answer log-probs averaged over answer tokens.
-        beta: [2.0 in the paper]; gamma: the margin [0.5 in the paper; SPEC 7 subtracts it as is].
+        beta: [2.0 in the paper]; gamma: the margin [0.5 in the paper; dschat subtracts it as is].
 
     Returns:
         loss (mean over pairs) and detached implicit rewards ``beta * avg`` with accuracy and margin.
@@ -1020,7 +1021,8 @@ def kd_loss(
     labels_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> KDLossOutput:
-    """Knowledge distillation (Hinton et al. 2015; SPEC 7 ``kd``): ``T^2 * KL(teacher_T || student_T)``.
+    """Knowledge distillation (Hinton et al. 2015; docs/algorithms.md, Distillation):
+    ``T^2 * KL(teacher_T || student_T)``.
 
     Softmax at temperature T on both sides; the ``T^2`` keeps gradient magnitudes comparable across T (Hinton
     et al. sec. 2). Averaged over answer tokens. Logits must already be aligned with the positions they
@@ -1052,8 +1054,9 @@ def distill_sft_loss(
     coef: float,
     temperature: float = 1.0,
 ) -> DistillSFTLossOutput:
-    """Stage 1 with a teacher (SPEC 7 ``kd``): ``(1 - coef) * CE + coef * T^2 * KL(teacher_T || student_T)``,
-    both token means over the answer tokens (``labels != -100``), the CE exactly as a causal LM's own loss.
+    """Stage 1 with a teacher (docs/algorithms.md, Distillation):
+    ``(1 - coef) * CE + coef * T^2 * KL(teacher_T || student_T)``, both token means over the answer tokens
+    (``labels != -100``), the CE exactly as a causal LM's own loss.
 
     Both models must share the tokenizer; their logits may be padded to different widths (checkpoints round the
     embedding up, e.g. Qwen2.5 0.5B vs 7B), so the KL is taken over the common first ``V`` columns, which hold

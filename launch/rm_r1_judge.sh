@@ -31,13 +31,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 TINY="${TINY:-0}"
 if [[ "${1:-}" == "--tiny" ]]; then TINY=1; shift; fi
 OUTPUT_DIR="${OUTPUT_DIR:-output/rm_r1_judge}"
-dschat=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli import cli; cli()')
+dschat=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli.main import cli; cli()')
 
 if [[ "$TINY" == 1 ]]; then
   # The demo files and settings of `dschat pipeline judge` (its measured run is in the README): the model is 1.4M
   # parameters trained from scratch, so it takes a toy learning rate, short prompts and completions, 4 completions
   # per prompt instead of 7, and 100 steps; and the format rule weighed in beside judge_match, without which GRPO
-  # wore the tiny judge's reasoning down (well-formed completions 0.98 -> 0.20).
+  # wore the tiny judge's reasoning down (well-formed completions became rare).
   mapfile -t demo < <("$PYTHON" -c 'from dschat.demo import demo_files as d; f = d()
 print(f["judge"]); print(f["judge_sft"]); print(f["judge_eval"])')
   MODEL=tiny DATA="${demo[0]}" SFT_DATA="${demo[1]}" EVAL_DATA="${demo[2]}" NUM_GPUS=0

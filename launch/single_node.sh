@@ -29,7 +29,7 @@ fi
 
 # The checkout first on the path, so the script runs this tree even where dschat is not installed.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-cmd=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli import cli; cli()'
+cmd=("$PYTHON" -c 'import sys; sys.argv[0] = "dschat"; from dschat.cli.main import cli; cli()'
      train --step "$STEP" --num-gpus "$NUM_GPUS")
 if [[ -n "${MASTER_PORT:-}" ]]; then cmd+=(--master-port "$MASTER_PORT"); fi
 cmd+=("$@")

@@ -7,9 +7,9 @@
     dschat train --step 1 --model tiny --teacher-model out/big/model --kd-coef 0.5     (distillation, SPEC 7)
 
 Reads top to bottom: what one micro-batch does (cross-entropy, mixed with the KL to a teacher under
-``--teacher-model``: ``dschat.distill``) and how the model is evaluated (the answer tokens' perplexity,
-``dschat.sft_eval``, which ``dschat eval --step 1`` shares; with a teacher also the distillation term); the
-shared one-model loop (``dschat.supervised``: set up, evaluate, train, evaluate) runs it; then save and report.
+``--teacher-model``: ``dschat.training.distill``) and how the model is evaluated (the answer tokens' perplexity,
+``dschat.evaluation.lm``, which ``dschat eval --step 1`` shares; with a teacher also the distillation term); the
+shared one-model loop (``dschat.training.one_model``: set up, evaluate, train, evaluate) runs it; then save and report.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dschat import engine as E
-from dschat.checkpoint import save_hf
-from dschat.cli import run_command, stage_command
+from dschat.cli.options import run_command, stage_command
 from dschat.config import SFTConfig
 from dschat.data import DataCollatorSFT
 from dschat.data.packing import real_tokens, sft_inputs
 from dschat.demo import demo_data
-from dschat.distill import Distiller
-from dschat.logits import causal_lm_loss
-from dschat.models import create_causal_lm
-from dschat.sft_eval import evaluate_perplexity
-from dschat.supervised import OneModelStage, train_one_model
-from dschat.tracking import write_eval
+from dschat.evaluation.lm import evaluate_perplexity
+from dschat.models.loading import create_causal_lm
+from dschat.models.logits import causal_lm_loss
+from dschat.training.checkpoint import save_hf
+from dschat.training.distill import Distiller
+from dschat.training.one_model import OneModelStage, train_one_model
+from dschat.training.tracking import write_eval
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 step2_reward/main.py --model chinese-llama-2-1.3b --zero-stage 3 ...
     dschat train --step 2 ...        (the same flags)
 
-Reads top to bottom: the model, the loss of one micro-batch, the shared one-model loop (``dschat.supervised``),
+Reads top to bottom: the model, the loss of one micro-batch, the shared one-model loop (``dschat.training.one_model``),
 then save and report. The saved ``model/`` folder loads with ``AutoModelForSequenceClassification`` and carries
 ``reward_mean``/``reward_std`` (of all eval end scores after training; without eval pairs, of an evenly spaced
 64-pair sample of the training pairs) in its config for reward normalisation in stage 3.
@@ -22,17 +22,19 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from dschat import engine as E
-from dschat.checkpoint import save_hf
-from dschat.cli import run_command, stage_command
+from dschat.cli.options import run_command, stage_command
 from dschat.config import RewardConfig
 from dschat.data import DataCollatorReward
 from dschat.demo import demo_data
+from dschat.evaluation.reward_model import evaluate_reward, stats_sample
 from dschat.losses import pairwise_metrics
-from dschat.models import create_reward_model
-from dschat.reward_eval import evaluate_reward, is_reward_checkpoint, reward_loss, reward_values, stats_sample
-from dschat.stage import eval_loader
-from dschat.supervised import OneModelStage, train_one_model
-from dschat.tracking import write_eval
+from dschat.models.loading import create_reward_model
+from dschat.models.reward_model import is_reward_checkpoint
+from dschat.training.checkpoint import save_hf
+from dschat.training.one_model import OneModelStage, train_one_model
+from dschat.training.reward import reward_loss, reward_values
+from dschat.training.stage import eval_loader
+from dschat.training.tracking import write_eval
 
 EVAL_KEYS = ("accuracy", "chosen_score", "rejected_score", "margin")
 

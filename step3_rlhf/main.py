@@ -22,30 +22,21 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from dschat import engine as E
-from dschat.checkpoint import save_hf
-from dschat.cli import run_command, stage_command
+from dschat.cli.options import run_command, stage_command
 from dschat.data import load_phase
 from dschat.demo import demo_data
 from dschat.errors import UserError
-from dschat.generation import GenerationConfig
-from dschat.hybrid_engine import make_hybrid_engine
-from dschat.models import load_tokenizer, resolve_model
-from dschat.resume import Checkpointer
+from dschat.evaluation.policy import eval_scalars, source_summary, summarize
+from dschat.generation.decode import GenerationConfig
+from dschat.generation.hybrid_engine import make_hybrid_engine
+from dschat.models.loading import load_tokenizer, resolve_model
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
-from dschat.rlhf.evaluation import eval_scalars, source_summary, summarize
 from dschat.rlhf.scoring import RM, build_scorer
-from dschat.stage import (
-    EpochStream,
-    Interrupted,
-    begin_stage,
-    check_finite,
-    eval_loader,
-    stop_after_step,
-    training_loader,
-)
-from dschat.tracking import RunTracker, write_eval
+from dschat.training.checkpoint import save_hf
+from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, check_finite, eval_loader, training_loader
+from dschat.training.tracking import RunTracker, write_eval
 
 
 def run(cfg: RLHFConfig) -> dict[str, Any]:
@@ -68,13 +59,12 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     models = build_models(cfg, optimizer_steps)
     hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend)
     scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
-    gen = GenerationConfig(max_new_tokens=rl.max_answer_seq_len, do_sample=True, temperature=rl.temperature,
-                           top_p=rl.top_p, top_k=rl.top_k)
+    gen = GenerationConfig.from_flags(rl)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
 
     # 2. resume: the trained engines, the algorithm's state, the prompt stream's position, the shuffle generator
-    ckpt = Checkpointer(stage.output_dir, models.trained, cfg.run.keep_checkpoints, tok)
-    resume_from, state, tensors = ckpt.resume_latest(stage.log) if cfg.run.resume else (None, {}, {})
+    loop = ResumableLoop(stage, models.trained, tok, cfg.run, accumulation=o.gradient_accumulation_steps)
+    resume_from, state, tensors = loop.resumed_from, loop.state, loop.tensors
     if ema is not None and resume_from is not None:
         if "ema" not in tensors:
             raise UserError(f"{resume_from}: saved without --enable-ema; resume without it or start over")
@@ -100,39 +90,30 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
     if before and resume_from is None:
         tracker.log(0, eval_scalars(before))
-    step, dropped_total = state.get("step", 0), state.get("dropped_short_answers", 0)
-    tracker.advance(step)
+    dropped_total = state.get("dropped_short_answers", 0)
+    tracker.advance(loop.step)
 
-    def save_state() -> Any:
-        if any(eng.micro_steps % o.gradient_accumulation_steps for eng in models.trained.values()):
-            # DeepSpeed checkpoints hold no partial gradients: a state is only exact at an optimizer step.
-            stage.log(f"no state at update {step}: it ends inside a gradient-accumulation window")
-            return None
-        extra = {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
-        return ckpt.save(step, {"prompt_batches": stream.consumed, **algo.state(),
-                                "dropped_short_answers": dropped_total, "before": before}, tensors=extra)
+    def fields() -> dict[str, Any]:  # what a state holds besides the engines
+        return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
+                "before": before}
+
+    def tensors_now() -> dict[str, torch.Tensor]:
+        return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
 
     # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved
-    with stop_after_step(stage.log) as stop:
-        while step < total_updates:
-            metrics, dropped = algo.step(stream)
-            step += 1
-            dropped_total += dropped
-            metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {})})
-            for name, value in metrics.items():
-                if name.endswith("loss"):
-                    check_finite(value, step, name)
-            if step % cfg.run.log_interval == 0 or step == total_updates:
-                tracker.log(step, metrics)
-            tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
-            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
-                tracker.log(step, eval_scalars(evaluation()))
-            if stop.requested() and step < total_updates and (saved := save_state()) is not None:
-                raise Interrupted(f"interrupted: saved {saved}; continue with --resume")
-            if cfg.run.save_interval and step % cfg.run.save_interval == 0 and step < total_updates:
-                save_state()
-        if cfg.run.save_final_state:
-            save_state()
+    for step in loop.updates(total_updates, fields, tensors_now):
+        metrics, dropped = algo.step(stream)
+        dropped_total += dropped
+        metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {})})
+        for name, value in metrics.items():
+            if name.endswith("loss"):
+                check_finite(value, step, name)
+        if step % cfg.run.log_interval == 0 or step == total_updates:
+            tracker.log(step, metrics)
+        tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
+        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
+            tracker.log(step, eval_scalars(evaluation()))
+    step = loop.step
 
     # 5. evaluate after training, save the models and eval.json
     after = evaluation()

@@ -192,7 +192,7 @@ def build_family(family: str, folder: str | Path) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if family == "llama_sp":
-        from dschat.models import resolve_model
+        from dschat.models.loading import resolve_model
 
         return Path(resolve_model("tiny"))
     out = Path(folder) / family

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``dschat ARGS`` in a fresh process (as a user runs it); returns the completed process."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", "from dschat.cli import cli; cli()", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", "from dschat.cli.main import cli; cli()", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
@@ -31,7 +31,7 @@ def kill_when_state_saved(args: list[str], output_dir: Path, timeout: int = 600)
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli.main import cli; cli()", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     latest = Path(output_dir) / "checkpoints" / "latest"
@@ -55,7 +55,7 @@ def losses(path: str | Path, key: str) -> dict[int, float]:
 
 def run_stage(cfg):
     """Run the stage whose config ``cfg`` is, in-process, through the CLI's stage lookup (as ``dschat train``)."""
-    from dschat.cli import stage_module
+    from dschat.cli.train import stage_module
     from dschat.config import RewardConfig, SFTConfig
 
     step = 2 if isinstance(cfg, RewardConfig) else 1 if isinstance(cfg, SFTConfig) else 3
@@ -73,7 +73,7 @@ def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600) -> tuple[list[int]
     import signal
     import socket
 
-    from dschat.models import resolve_model
+    from dschat.models.loading import resolve_model
 
     resolve_model("tiny")  # built once here: both launchers would otherwise race to build it in the shared cache
     hostfile = tmp_path / "hostfile"
@@ -106,7 +106,7 @@ def fraction_changed(out: Path, folder: str = "actor") -> float:
     import torch
     from safetensors.torch import load_file
 
-    from dschat.models import resolve_model
+    from dschat.models.loading import resolve_model
 
     start = load_file(str(resolve_model("tiny")) + "/model.safetensors")
     trained = load_file(str(Path(out) / folder / "model.safetensors"))

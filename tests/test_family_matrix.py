@@ -1,6 +1,7 @@
-"""The model families users bring, end to end (issue 15): for each tiny family of ``tests/families.py``, stage 1,
-stage 2 (its saved folder scores as HF's ``AutoModelForSequenceClassification`` does, and ``dschat eval --step 2``
-reports what HF's scores give), PPO and GRPO for a step, ``dschat chat`` and ``dschat export``.
+"""The model families users bring, end to end (docs/models.md, Aliases and families): for each tiny family of
+``tests/families.py``, stage 1, stage 2 (its saved folder scores as HF's ``AutoModelForSequenceClassification``
+does, and ``dschat eval --step 2`` reports what HF's scores give), PPO and GRPO for a step, ``dschat chat`` and
+``dschat export``.
 
 Commands run in-process through the ``dschat`` entry point (as a user types them), a few rows and one or two
 steps each; one module-scoped run per family serves all its checks. ``llama_sp-bf16`` runs every stage, eval,
@@ -29,7 +30,7 @@ COMMON = ["--no-progress", "--seed", "1", "--max-seq-len", "96"]
 
 def dschat(*args: str) -> str:
     """``dschat ARGS`` in this process; returns stdout, fails the test on a non-zero exit."""
-    from dschat.cli import cli
+    from dschat.cli.main import cli
 
     out, argv = io.StringIO(), sys.argv
     sys.argv = ["dschat", *args]
@@ -61,7 +62,7 @@ def hf_scores(model_dir: Path, rows: list[list[int]], side: str) -> torch.Tensor
 
 def dschat_scores(model_dir: Path, rows: list[list[int]]) -> torch.Tensor:
     from dschat.data import DataCollatorReward
-    from dschat.models import create_reward_model, load_tokenizer
+    from dschat.models.loading import create_reward_model, load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     rm = create_reward_model(str(model_dir), pad_token_id=tok.pad_token_id).eval()
@@ -90,7 +91,7 @@ def family(request, tmp_path_factory):
 
 
 def test_stage1_and_stage2_ran(family):
-    from dschat.models import load_tokenizer
+    from dschat.models.loading import load_tokenizer
 
     for stage in ("s1", "s2"):
         assert (family["root"] / stage / "model" / "config.json").exists()
@@ -110,7 +111,7 @@ def test_saved_reward_model_scores_as_hf_does(family):
 
     from dschat.config import DataArgs
     from dschat.data import load_phase
-    from dschat.models import load_tokenizer
+    from dschat.models.loading import load_tokenizer
 
     model_dir = family["root"] / "s2" / "model"
     tok = load_tokenizer(str(model_dir))
@@ -129,8 +130,8 @@ def test_saved_reward_model_scores_as_hf_does(family):
 
 
 def test_dschat_eval_reports_what_hf_scores_give(family, tmp_path):
-    from dschat.models import load_tokenizer
-    from dschat.reward_eval import load_all_pairs
+    from dschat.evaluation.reward_model import load_all_pairs
+    from dschat.models.loading import load_tokenizer
 
     model_dir = family["root"] / "s2" / "model"
     out = tmp_path / "m.json"
@@ -159,7 +160,7 @@ def test_export_of_the_reward_state_scores_the_same(family, tmp_path):
 
 
 def _some_rows(model_dir: Path) -> list[list[int]]:
-    from dschat.models import load_tokenizer
+    from dschat.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     texts = ["Hello, my parcel is late.", "谢谢你的帮助！ The refund was cancelled."]

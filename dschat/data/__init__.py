@@ -1,4 +1,4 @@
-"""Data: sources, row formats, train-phase datasets and collators (SPEC section 2)."""
+"""Data: sources, row formats, train-phase datasets and collators (docs/data.md)."""
 
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, DataCollatorSFT, pad_sequences
 from dschat.data.phases import PhaseData, load_phase

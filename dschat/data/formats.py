@@ -1,4 +1,4 @@
-"""Row formats (SPEC section 2): detection per file, validation per row, and rendering to text.
+"""Row formats (docs/data.md, Row formats): detection per file, validation per row, and rendering to text.
 
 A row is turned into an ``Example``: a prompt (text or chat messages) plus whatever answers it has. A missing
 required field is a user error naming the file, line and field; an empty value only drops the row (counted).
@@ -68,6 +68,19 @@ def detect_format(row: dict[str, Any]) -> str | None:
     return None
 
 
+def source_format(rows: Sequence[dict[str, Any]], name: str) -> str:
+    """The row format of a source, read from its first row; a source with no rows, or whose first row has none of
+    the formats' fields, stops with one line naming the file and line."""
+    if not rows:
+        raise UserError(f"{name}: no rows")
+    fmt = detect_format(rows[0])
+    if fmt is None:
+        raise UserError(f"{rows[0].get(WHERE, name)}: cannot tell the row format from its fields "
+                        f"({describe_keys(rows[0])}); expected one of {', '.join(FORMATS)} "
+                        "(docs/data.md, Row formats)")
+    return fmt
+
+
 def describe_keys(row: dict[str, Any]) -> str:
     return ", ".join(sorted(_keys(row).values())) or "(no fields)"
 
@@ -131,91 +144,121 @@ def split_hh_text(text: str) -> tuple[str, str] | None:
     return text[:cut], text[cut:]
 
 
+# Each format's parser: the row, where it came from (``file:line``) and its fields beyond the format's own (kept
+# on the example) -> an ``Example``; raises UserError (malformed) or Dropped (unusable). ``parse_row`` dispatches.
+RowParser = Callable[[dict[str, Any], str, dict[str, Any]], Example]
+PARSERS: dict[str, RowParser] = {}
+
+
+def row_parser(fmt: str) -> Callable[[RowParser], RowParser]:
+    def register(fn: RowParser) -> RowParser:
+        PARSERS[fmt] = fn
+        return fn
+
+    return register
+
+
+@row_parser(PAIRWISE)
+def _pairwise(row: dict[str, Any], where: str, extra: dict[str, Any]) -> Example:
+    chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
+    prompt = _get(row, "prompt", required=False)
+    if prompt is None:  # hh-rlhf: the prompt is the shared dialogue before the last Assistant turn
+        c, x = split_hh_text(_text(row, chosen_raw, "chosen")), split_hh_text(_text(row, rejected_raw, "rejected"))
+        if c is None or x is None or c[0] != x[0]:
+            raise UserError(f"{where}: missing field 'prompt' (and chosen/rejected are not "
+                            "'Human:/Assistant:' dialogues sharing a prompt)")
+        prompt, chosen, rejected = c[0], c[1], x[1]
+    else:
+        prompt = _text(row, prompt, "prompt")
+        chosen, rejected = _text(row, chosen_raw, "chosen"), _text(row, rejected_raw, "rejected")
+    if not chosen.strip() or not rejected.strip():
+        raise Dropped("empty")
+    return Example(prompt, chosen, rejected, extra=extra, where=where)
+
+
+@row_parser(CONV_PAIRWISE)
+def _conversational_pairwise(row: dict[str, Any], where: str, extra: dict[str, Any]) -> Example:
+    prompt_raw = _get(row, "prompt", required=False)
+    chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
+    if prompt_raw is not None:
+        prompt_msgs = _messages(row, prompt_raw, "prompt") if not isinstance(prompt_raw, str) else \
+            [{"role": "user", "content": _text(row, prompt_raw, "prompt")}]
+        chosen = _assistant_text(row, chosen_raw, "chosen")
+        rejected = _assistant_text(row, rejected_raw, "rejected")
+        return Example(prompt_msgs, chosen, rejected, extra=extra, where=where)
+    c, x = _messages(row, chosen_raw, "chosen"), _messages(row, rejected_raw, "rejected")
+    n = 0
+    while n < min(len(c), len(x)) - 1 and c[n] == x[n]:
+        n += 1
+    if n == 0 or c[:n] != x[:n] or c[-1]["role"] != "assistant" or x[-1]["role"] != "assistant":
+        raise UserError(f"{where}: 'chosen' and 'rejected' must share the prompt messages and end with "
+                        "an assistant message")
+    if len(c) != n + 1 or len(x) != n + 1:
+        raise UserError(f"{where}: 'chosen' and 'rejected' must differ only in their last assistant message")
+    return Example(c[:n], _text(row, c[-1]["content"], "chosen"), _text(row, x[-1]["content"], "rejected"),
+                   extra=extra, where=where)
+
+
+def _prompt(row: dict[str, Any], raw: Any) -> str | Messages:
+    """A ``prompt`` field: text, or chat messages."""
+    return _text(row, raw, "prompt") if isinstance(raw, str) or raw is None else _messages(row, raw, "prompt")
+
+
+@row_parser(SFT)
+def _sft(row: dict[str, Any], where: str, extra: dict[str, Any]) -> Example:
+    k = _keys(row)
+    if "messages" in k:
+        msgs = _messages(row, row[k["messages"]], "messages")
+        if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+            raise UserError(f"{where}: field 'messages' must hold a prompt and end with an assistant message")
+        return Example(msgs[:-1], chosen=_text(row, msgs[-1]["content"], "messages"), extra=extra, where=where,
+                       train_all_turns=True)
+    if "instruction" in k:  # alpaca / Zhihu-KOL: a bare question, rendered with the chat template
+        question = _text(row, row[k["instruction"]], k["instruction"])
+        inp = row.get(k["input"]) if "input" in k else None
+        if isinstance(inp, str) and inp.strip():
+            question = f"{question}\n\n{inp}"
+        response = _get(row, "output", "response")
+        return Example([{"role": "user", "content": question}], chosen=_text(row, response, "output"),
+                       extra=extra, where=where)
+    prompt = _prompt(row, _get(row, "prompt"))
+    response = _get(row, "response", "completion")
+    return Example(prompt, chosen=_assistant_text(row, response, "response"), extra=extra, where=where)
+
+
+@row_parser(PROMPT_ONLY)
+def _prompt_only(row: dict[str, Any], where: str, extra: dict[str, Any]) -> Example:
+    prompt = _prompt(row, _get(row, "prompt", "question"))
+    answer = _get(row, "answer", "ground_truth", "solution", required=False)
+    return Example(prompt, answer=None if answer is None else str(answer), extra=extra, where=where)
+
+
+@row_parser(JUDGE)
+def _judge_pairwise(row: dict[str, Any], where: str, extra: dict[str, Any]) -> Example:
+    msgs = _messages(row, _get(row, "context_messages"), "context_messages")
+    winner = _get(row, "winner")
+    if winner not in ("model_a", "model_b"):
+        raise UserError(f"{where}: field 'winner' must be 'model_a' or 'model_b', got {winner!r}")
+    # An optional target judge completion (RM-R1's distilled reasoning) makes the row an SFT row for the cold start
+    # too, so one file serves stage 1 and GRPO.
+    response = _get(row, "response", "completion", required=False)
+    chosen = None if response is None else _assistant_text(row, response, "response")
+    return Example(msgs, chosen=chosen, answer=winner, extra=extra, where=where)
+
+
 def parse_row(row: dict[str, Any], fmt: str) -> Example:
     """Validate one row of a file detected as ``fmt`` and normalise it. Raises UserError or Dropped."""
-    where = str(row.get(WHERE, "?"))
-    extra = {k: v for k, v in row.items() if k != WHERE}
-    if fmt == PAIRWISE:
-        chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
-        prompt = _get(row, "prompt", required=False)
-        if prompt is None:  # hh-rlhf: the prompt is the shared dialogue before the last Assistant turn
-            c, x = split_hh_text(_text(row, chosen_raw, "chosen")), split_hh_text(_text(row, rejected_raw,
-                                                                                         "rejected"))
-            if c is None or x is None or c[0] != x[0]:
-                raise UserError(f"{where}: missing field 'prompt' (and chosen/rejected are not "
-                                "'Human:/Assistant:' dialogues sharing a prompt)")
-            prompt, chosen, rejected = c[0], c[1], x[1]
-        else:
-            prompt = _text(row, prompt, "prompt")
-            chosen, rejected = _text(row, chosen_raw, "chosen"), _text(row, rejected_raw, "rejected")
-        if not chosen.strip() or not rejected.strip():
-            raise Dropped("empty")
-        return Example(prompt, chosen, rejected, extra=extra, where=where)
-    if fmt == CONV_PAIRWISE:
-        prompt_raw = _get(row, "prompt", required=False)
-        chosen_raw, rejected_raw = _get(row, "chosen"), _get(row, "rejected")
-        if prompt_raw is not None:
-            prompt_msgs = _messages(row, prompt_raw, "prompt") if not isinstance(prompt_raw, str) else \
-                [{"role": "user", "content": _text(row, prompt_raw, "prompt")}]
-            chosen = _assistant_text(row, chosen_raw, "chosen")
-            rejected = _assistant_text(row, rejected_raw, "rejected")
-            return Example(prompt_msgs, chosen, rejected, extra=extra, where=where)
-        c, x = _messages(row, chosen_raw, "chosen"), _messages(row, rejected_raw, "rejected")
-        n = 0
-        while n < min(len(c), len(x)) - 1 and c[n] == x[n]:
-            n += 1
-        if n == 0 or c[:n] != x[:n] or c[-1]["role"] != "assistant" or x[-1]["role"] != "assistant":
-            raise UserError(f"{where}: 'chosen' and 'rejected' must share the prompt messages and end with "
-                            "an assistant message")
-        if len(c) != n + 1 or len(x) != n + 1:
-            raise UserError(f"{where}: 'chosen' and 'rejected' must differ only in their last assistant message")
-        return Example(c[:n], _text(row, c[-1]["content"], "chosen"), _text(row, x[-1]["content"], "rejected"),
-                       extra=extra, where=where)
-    if fmt == SFT:
-        k = _keys(row)
-        if "messages" in k:
-            msgs = _messages(row, row[k["messages"]], "messages")
-            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
-                raise UserError(f"{where}: field 'messages' must hold a prompt and end with an assistant message")
-            return Example(msgs[:-1], chosen=_text(row, msgs[-1]["content"], "messages"), extra=extra, where=where,
-                           train_all_turns=True)
-        if "instruction" in k:  # alpaca / Zhihu-KOL: a bare question, rendered with the chat template
-            question = _text(row, row[k["instruction"]], k["instruction"])
-            inp = row.get(k["input"]) if "input" in k else None
-            if isinstance(inp, str) and inp.strip():
-                question = f"{question}\n\n{inp}"
-            response = _get(row, "output", "response")
-            return Example([{"role": "user", "content": question}], chosen=_text(row, response, "output"),
-                           extra=extra, where=where)
-        prompt_raw = _get(row, "prompt")
-        prompt = _text(row, prompt_raw, "prompt") if isinstance(prompt_raw, str) or prompt_raw is None else \
-            _messages(row, prompt_raw, "prompt")
-        response = _get(row, "response", "completion")
-        return Example(prompt, chosen=_assistant_text(row, response, "response"), extra=extra, where=where)
-    if fmt == PROMPT_ONLY:
-        prompt_raw = _get(row, "prompt", "question")
-        prompt = _text(row, prompt_raw, "prompt") if isinstance(prompt_raw, str) or prompt_raw is None else \
-            _messages(row, prompt_raw, "prompt")
-        answer = _get(row, "answer", "ground_truth", "solution", required=False)
-        return Example(prompt, answer=None if answer is None else str(answer), extra=extra, where=where)
-    if fmt == JUDGE:
-        msgs = _messages(row, _get(row, "context_messages"), "context_messages")
-        winner = _get(row, "winner")
-        if winner not in ("model_a", "model_b"):
-            raise UserError(f"{where}: field 'winner' must be 'model_a' or 'model_b', got {winner!r}")
-        # An optional target judge completion (RM-R1's distilled reasoning) makes the row an SFT row for the
-        # cold start too, so one file serves stage 1 and GRPO.
-        response = _get(row, "response", "completion", required=False)
-        chosen = None if response is None else _assistant_text(row, response, "response")
-        return Example(msgs, chosen=chosen, answer=winner, extra=extra, where=where)
-    raise ValueError(f"unknown format {fmt}")
+    if fmt not in PARSERS:
+        raise ValueError(f"unknown format {fmt}")
+    return PARSERS[fmt](row, str(row.get(WHERE, "?")), {k: v for k, v in row.items() if k != WHERE})
 
 
 def parse_rows(rows: Sequence[dict[str, Any]], fmt: str, counts: Counter[str],
                judge_system: str | None = None) -> tuple[list[Example], list[str]]:
     """``parse_row`` over the rows of one source detected as ``fmt``, dropping and counting what it refuses
-    (SPEC 2): an unusable row under ``dropped_<reason>``, a malformed one (a missing or mistyped field) under
-    ``dropped_malformed``. Judge rows get ``judge_system`` as their rubric unless they have one.
+    (docs/data.md, Drops and the cache): an unusable row under ``dropped_<reason>``, a malformed one (a missing
+    or mistyped field) under ``dropped_malformed``. Judge rows get ``judge_system`` as their rubric unless they
+    have one.
 
     Returns the examples and the malformed rows' messages, for ``check_malformed``. Training, evaluation and
     ``dschat eval --judge`` all read rows through here, so they keep and drop the same rows.
@@ -297,7 +340,7 @@ def _render_conversation(messages: Messages, tokenizer: Any) -> str:
 @dataclass
 class Span:
     """A piece of rendered text: ``trained`` for an assistant turn (its labels are its ids), else context
-    (masked with -100). ``parts`` are the messages' own strings in it, tokenized as text (issue 11)."""
+    (masked with -100). ``parts`` are the messages' own strings in it, tokenized as text."""
 
     text: str
     trained: bool

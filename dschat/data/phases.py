@@ -1,4 +1,4 @@
-"""Train-phase datasets (SPEC section 2): split, tokenize, count drops, cache.
+"""Train-phase datasets (docs/data.md, Train phases): split, tokenize, count drops, cache.
 
 ``load_phase(data, phase, tokenizer, seed)`` gives the tokenized train and eval rows of one train_phase:
 1. SFT: ``input_ids``, ``labels`` (prompt masked with -100 by default) of prompt + chosen + EOS; every assistant
@@ -28,23 +28,22 @@ from typing import Any
 from dschat.config import DataArgs
 from dschat.data.formats import (
     CONV_PAIRWISE,
-    FORMATS,
     PAIRWISE,
     Example,
     Span,
     check_malformed,
-    describe_keys,
     detect_format,
     parse_rows,
     render_answer,
     render_prompt,
     render_turns,
+    source_format,
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
+from dschat.data.usertext import encode_texts, keep_end, prompt_parts, single_bos
 from dschat.diskfull import DiskFull, free_bytes, human_bytes
 from dschat.errors import UserError
 from dschat.prompts import read_system_prompt
-from dschat.usertext import encode_texts, prompt_parts
 from dschat.utils import atomic_write_text, cache_root, stable_hash
 
 CACHE_VERSION = 4  # bump when tokenization logic changes, so old caches are never read (2: JSON, content keys;
@@ -102,12 +101,7 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
                     data: DataArgs, judge_system: str | None = None,
                     log: Any = print) -> tuple[str, list[Example], list[Example], Counter[str]]:
     counts: Counter[str] = Counter()
-    if not raw.train:
-        raise UserError(f"{raw.name}: no rows")
-    fmt = detect_format(raw.train[0])
-    if fmt is None:
-        raise UserError(f"{raw.train[0].get(WHERE, raw.name)}: cannot tell the row format from its fields "
-                        f"({describe_keys(raw.train[0])}); expected one of {', '.join(FORMATS)} (SPEC section 2)")
+    fmt = source_format(raw.train, raw.name)
 
     part = [raw.train[i] for i in split_indices(len(raw.train), split, seed, phase)]
     if raw.test is not None:
@@ -129,7 +123,7 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool, parts: list[list[str | None]]) -> list[list[int]]:
-    """Ids of rendered texts; ``parts`` (per text) are the row's own strings, tokenized as text (issue 11)."""
+    """Ids of rendered texts; ``parts`` (per text) are the row's own strings, tokenized as text."""
     return encode_texts(tokenizer, texts, parts, special)
 
 
@@ -152,17 +146,14 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
     prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], True,
                       [prompt_parts(ex.prompt) for ex in usable])
     bos = tokenizer.bos_token_id
-    if bos is not None:  # chat templates that write BOS themselves (Llama-2/3) must not get a second one
-        prompts = [_single_bos(ids, bos) for ids in prompts]
+    prompts = [single_bos(ids, bos) for ids in prompts]
     rows: list[dict[str, Any]] = []
     if phase == 3:
         keep = data.max_prompt_seq_len
         for ex, ids in zip(usable, prompts, strict=True):
             if len(ids) > keep:
                 counts["truncated_prompt"] += 1
-                # Keep the end of the prompt, where the question and 'Assistant:' are (left truncation).
-                head = [bos] if bos is not None and ids[0] == bos else []
-                ids = head + ids[len(ids) - (keep - len(head)):]
+                ids = keep_end(ids, keep, bos)  # the question and 'Assistant:' are at the end
             rows.append({"prompt_input_ids": ids, "answer": ex.answer, "where": ex.where,
                          "extra": _jsonable(ex.extra)})
         return rows
@@ -196,10 +187,6 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
     return rows
 
 
-def _single_bos(ids: list[int], bos: int) -> list[int]:
-    return ids[1:] if len(ids) > 1 and ids[0] == ids[1] == bos else ids
-
-
 def _earlier_turns(examples: list[Example], tokenizer: Any,
                    counts: Counter[str]) -> dict[int, tuple[list[int], list[int]]]:
     """Multi-turn SFT: for each ``messages`` example whose prompt holds assistant turns, the prompt's ids and
@@ -228,7 +215,7 @@ def _earlier_turns(examples: list[Example], tokenizer: Any,
     out: dict[int, tuple[list[int], list[int]]] = {}
     bos = tokenizer.bos_token_id
     for i, first in zip(order, firsts, strict=True):
-        ids = _single_bos(first, bos) if bos is not None else first
+        ids = single_bos(first, bos)
         labels = [-100] * len(ids)
         for span in found[i][1:]:
             span_ids = next(rest_ids)
@@ -302,7 +289,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
     shape = tokenize_as or phase
     key = cache_key(data, phase, tokenizer, seed, specs, shape)
-    # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code (issue 11).
+    # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code.
     cache_file = cache_dir / f"phase{phase}-{key}.json"
     if use_cache and all(source_fingerprint(s) is not None for s in specs) and cache_file.exists():
         cached = _read_cache(cache_file)

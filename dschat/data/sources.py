@@ -56,7 +56,7 @@ class RawDataset:
 
 def _content_hash(path: Path) -> str:
     """sha256 of the file's bytes: an edit that keeps size and modification time (``touch -r``, ``cp -p``,
-    ``rsync -t``) still changes the cache key (issue 11, item 8)."""
+    ``rsync -t``) still changes the cache key."""
     import hashlib
 
     h = hashlib.sha256()

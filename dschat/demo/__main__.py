@@ -7,7 +7,7 @@ import argparse
 
 from dschat.demo.corpus import write_demo_files
 from dschat.demo.tokenizer import build_tokenizer_model
-from dschat.tiny import VOCAB_SIZE
+from dschat.models.tiny import VOCAB_SIZE
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Embedded demo data: an e-commerce customer-service preference corpus, generated, never downloaded.
 
-Three row kinds, all in the formats of SPEC section 2:
+Three row kinds, all in the formats of docs/data.md, Row formats:
 
 - ``generate_pairwise``: rm-static style rows ``{"prompt", "response", "chosen", "rejected"}`` with
   ``prompt = "\\n\\nHuman: <question>\\n\\nAssistant:"`` and answers that start with a space, as in
@@ -927,9 +927,9 @@ def generate_sum_prompts(
 
     The GRPO demo's task. The word problems of ``generate_prompts`` are beyond a 1.4M-parameter model (it learns
     their format, never their arithmetic). With addends up to 5 (25 sums), one SFT epoch leaves it copying the
-    addends and adding them when greedy (~80% right) but rarely when sampling, and GRPO's reward for the right
+    addends and adding them when greedy (mostly right) but rarely when sampling, and GRPO's reward for the right
     answer makes the samples right more often: ``accuracy`` itself moves, not only ``format``. (Up to 9, 81
-    sums: two SFT epochs give ~40% right samples, and 100 GRPO steps added little to that.)
+    sums: two SFT epochs leave most samples wrong, and 100 GRPO steps added little to that.)
     """
     rng = _stream("sums", seed)
     rows: list[dict[str, str]] = []

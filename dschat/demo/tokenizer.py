@@ -1,6 +1,6 @@
 """How the ``tiny`` preset's tokenizer is made: a sentencepiece BPE model trained on the demo corpus.
 
-The library ships the result as ``dschat/assets/tokenizer.model`` and loads it (``dschat.tiny``); this module
+The library ships the result as ``dschat/assets/tokenizer.model`` and loads it (``dschat.models.tiny``); this module
 builds it with ``build_tokenizer_model`` from ``corpus.tokenizer_training_text()`` and a short line of extra
 punctuation. Rebuild it after changing the corpus templates or the settings below::
 
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.demo.corpus import tokenizer_training_text
-from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
-from dschat.tiny import (
+from dschat.models.tiny import (
     BOS_ID,
     BOS_TOKEN,
     EOS_ID,
@@ -47,6 +46,7 @@ from dschat.tiny import (
     UNK_TOKEN,
     VOCAB_SIZE,
 )
+from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 from dschat.utils import atomic_write_bytes
 
 SPECIAL_TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)

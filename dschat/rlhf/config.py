@@ -12,8 +12,8 @@ from typing import Any
 
 from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, flag_specs, merged, piece
 from dschat.errors import UserError
-from dschat.generation import BACKENDS, LEAN_MODEL_TYPES
-from dschat.models import local_model_type
+from dschat.generation.decode import BACKENDS, LEAN_MODEL_TYPES
+from dschat.models.loading import local_model_type
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
@@ -33,7 +33,7 @@ class RLArgs:
                                                    "per update; online DPO: prompts per update).", low=1)
     max_answer_seq_len: int = arg(256, "Longest generated answer in tokens.", low=1)
     min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
-                                 "counted as dropped (SPEC 5.1).", low=0)
+                                 "counted as dropped.", low=0)
     temperature: float = arg(1.0, "Sampling temperature.", above=0)
     top_p: float = arg(1.0, "Nucleus sampling threshold.", above=0)
     top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
@@ -55,7 +55,7 @@ class RLArgs:
 
 @dataclass
 class RewardArgs:
-    """Where a completion's reward comes from (every algorithm; SPEC 5 and 6)."""
+    """Where a completion's reward comes from (every algorithm; docs/algorithms.md, PPO and Rule rewards)."""
 
     reward_model: str = arg("", "Reward model: a step-2 output (…/model). Needed by the reward source 'rm' (PPO's "
                                 "default).")

@@ -1,4 +1,5 @@
-"""Offline DPO as a stage-3 algorithm (SPEC 7): preference pairs, no sampling, no reward model in the loss.
+"""Offline DPO as a stage-3 algorithm (docs/algorithms.md, DPO family): preference pairs, no sampling, no reward
+model in the loss.
 
 ``--dpo-loss-type`` picks the loss (pure functions in ``dschat.losses``): sigmoid (DPO, Rafailov et al. 2023),
 cdpo (label smoothing, Mitchell 2023), ipo (Azar et al. 2023, length-averaged) and simpo (Meng et al. 2024:
@@ -27,13 +28,13 @@ from dschat.config import arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
 from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
 from dschat.errors import UserError
-from dschat.logits import token_logps
-from dschat.rewards import RM
+from dschat.evaluation.policy import evaluate
+from dschat.models.logits import token_logps
+from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
-from dschat.rlhf.evaluation import evaluate
 from dschat.rlhf.rollout import positions_from_mask
 from dschat.rlhf.scoring import Scorer
-from dschat.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
 LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
 EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
@@ -145,7 +146,7 @@ def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
     else:
         assert ref_logps is not None
         rc, rx = ref_logps.chunk(2)
-        if a.dpo_loss_type == "ipo":  # SPEC 7: IPO on length-averaged log-ratios
+        if a.dpo_loss_type == "ipo":  # IPO on length-averaged log-ratios (docs/algorithms.md, DPO family)
             out = L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
         else:
             smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
@@ -210,7 +211,7 @@ def implicit_summary(a: DPOArgs, before: dict[str, Any], after: dict[str, Any]) 
 
 class DPO:
     name = "dpo"
-    help = "offline DPO on preference pairs (sigmoid, ipo, cdpo, simpo; SPEC 7)"
+    help = "offline DPO on preference pairs (sigmoid, ipo, cdpo, simpo)"
     uses = frozenset({"dpo"})
     output_name = "step3_dpo"
     demo_data = "pairwise"

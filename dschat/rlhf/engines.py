@@ -12,9 +12,19 @@ import torch
 from dschat import engine as E
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
-from dschat.lora import lora_param_groups
-from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model, same_tokenizer
-from dschat.rewards import RM
+from dschat.models.loading import (
+    create_causal_lm,
+    create_reward_model,
+    frozen_causal_lm,
+    frozen_reward_model,
+    load_tokenizer,
+    resolve_model,
+    resolve_saved_model,
+    same_tokenizer,
+)
+from dschat.models.lora import lora_param_groups
+from dschat.models.reward_model import check_reward_checkpoint
+from dschat.rewards.functions import RM
 
 TINY_PARAMS = 50_000_000  # below this, a model is a from-scratch toy and takes toy-sized learning rates
 DEFAULT_LR = {"actor": (1e-4, 1e-6), "critic": (5e-4, 5e-6)}  # (tiny, real)
@@ -96,3 +106,23 @@ def build_models(cfg: Any, total_steps: int) -> Models:
         stage = e.reward_zero_stage if e.reward_zero_stage is not None else cfg.critic_engine.zero_stage
         reward_engine = E.build_eval_engine(reward, zero_stage=stage, offload=e.offload_reward_model, dtype=dtype)
     return Models(actor_engine, ref_engine, critic_engine, reward_engine, tok, rm_tok, stats)
+
+
+def reward_model_path(reward_model: str) -> str:
+    """``--reward-model`` as a folder: a stage-2 output folder stands for its ``model/``."""
+    return resolve_saved_model(reward_model, inside=("model",))
+
+
+def frozen_models(policy_path: str, tokenizer: Any, dtype: torch.dtype, reward_path: str = "",
+                  reference_path: str = "", trust_remote_code: bool = False) -> Models:
+    """Saved models, all frozen on this process's device: the policy (and a reference, whose KL the policy is
+    measured against) and, with ``reward_path``, the reward model with its own tokenizer. What ``dschat generate``
+    and ``dschat eval --step 3`` sample and score with; ``build_scorer`` takes it as it takes stage 3's set."""
+    policy = frozen_causal_lm(policy_path, dtype, trust_remote_code)
+    ref = frozen_causal_lm(reference_path, dtype, trust_remote_code) if reference_path else None
+    reward, rm_tok = None, None
+    if reward_path:
+        check_reward_checkpoint(reward_path, trust_remote_code)
+        rm_tok = load_tokenizer(reward_path, trust_remote_code)
+        reward = frozen_reward_model(reward_path, dtype, rm_tok.pad_token_id, trust_remote_code)
+    return Models(policy, ref, None, reward, tokenizer, rm_tok, None)

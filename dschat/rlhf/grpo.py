@@ -1,4 +1,4 @@
-"""The GRPO family (SPEC 6): G completions per prompt, group-relative advantages, no critic.
+"""The GRPO family (docs/algorithms.md, GRPO family): G completions per prompt, group-relative advantages, no critic.
 
 ``--loss-type`` picks the member: grpo (Shao et al. 2024), dr_grpo (Liu et al. 2025), dapo (Yu et al. 2025:
 clip-higher, dynamic sampling, soft overlong penalty), gspo (Zheng et al. 2025: sequence-level ratio). One
@@ -23,7 +23,7 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.config import arg
 from dschat.errors import UserError
-from dschat.rewards import RM
+from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import (
@@ -35,7 +35,7 @@ from dschat.rlhf.rollout import (
     repeat_prompts,
 )
 from dschat.rlhf.scoring import Scorer
-from dschat.stage import EpochStream, to_device
+from dschat.training.stage import EpochStream, to_device
 
 DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, sec. 3.1)
 
@@ -90,7 +90,7 @@ def grpo_flags(*without: str) -> frozenset[str]:
 
 @dataclass
 class GroupBatch:
-    """One GRPO step's completions, ``num_generations`` consecutive ones per prompt (SPEC 6)."""
+    """One GRPO step's completions, ``num_generations`` consecutive ones per prompt."""
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,) mixed rewards
@@ -134,7 +134,7 @@ def needs_old_logprobs(num_iterations: int, n_micro: int, grad_accum: int, micro
     """Whether an optimizer step falls between a generation and the last micro-batch that trains on it.
 
     If none does, the policy that generated is the policy being trained, so ``old = logprobs.detach()`` is exact
-    and saves a forward pass (SPEC 6, mu = 1). Otherwise (mu > 1, or the generation spans several optimizer
+    and saves a forward pass (mu = 1). Otherwise (mu > 1, or the generation spans several optimizer
     steps) the old log-probs are computed once after generation. ``micro_offset``: micro-batches already
     accumulated towards the next optimizer step.
     """
@@ -164,7 +164,7 @@ def optimizer_step_normalizers(mbs: list[GroupBatch], loss_type: str, max_len: i
 
 class GRPO(OnPolicy):
     name = "grpo"
-    help = "the GRPO family, G completions per prompt and group-relative advantages, no critic (SPEC 6)"
+    help = "the GRPO family, G completions per prompt and group-relative advantages, no critic"
     uses = frozenset({"grpo"})
     output_name = "step3_grpo"
     demo_data = "prompts"  # without --data: the demo's arithmetic prompts, whose answers the rules can check
@@ -177,7 +177,7 @@ class GRPO(OnPolicy):
     @staticmethod
     def reward_func_names(cfg: Any) -> list[str]:
         """--reward-funcs, else rm with a reward model, else format + accuracy; plus 'overlong' with
-        --overlong-penalty (default with dapo, whose recipe includes it; SPEC 6)."""
+        --overlong-penalty (default with dapo, whose recipe includes it)."""
         names = list(cfg.rewards.reward_funcs) or ([RM] if cfg.rewards.reward_model else ["format", "accuracy"])
         if cfg.grpo.overlong and "overlong" not in names:
             names.append("overlong")

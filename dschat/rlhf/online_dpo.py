@@ -1,4 +1,5 @@
-"""Online (iterative) DPO as a stage-3 algorithm (SPEC 7): the policy samples, a reward source ranks, DPO learns.
+"""Online (iterative) DPO as a stage-3 algorithm (docs/algorithms.md, DPO family): the policy samples, a reward
+source ranks, DPO learns.
 
 Each step: ``--num-generations`` answers per prompt from the current policy (the GRPO family's generation and
 scoring path: ``repeat_prompts``, ``generate_rollout``, the run's ``Scorer``, so any reward source works: ``rm``,
@@ -30,14 +31,14 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.data.phases import pairs_of
 from dschat.errors import UserError
-from dschat.hybrid_engine import HybridEngine
-from dschat.rewards import RM
+from dschat.generation.hybrid_engine import HybridEngine
+from dschat.rewards.functions import RM
 from dschat.rlhf.dpo import DPO, DataCollatorPairs, implicit_eval, implicit_summary, pair_loss, pair_stats
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
-from dschat.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
 SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs", "onpolicy_implicit_accuracy", "onpolicy_pairs")
 SAMPLED_SEED_OFFSET = 7919  # the held-out pairs' sampling seeds, apart from the reward evaluation's
@@ -53,7 +54,7 @@ def rollout_logps(model: Any, rollout: Rollout) -> tuple[torch.Tensor, torch.Ten
 class OnlineDPO(OnPolicy):
     name = "online_dpo"
     help = ("online DPO: G samples per prompt from the current policy, best vs worst by any reward source, a DPO "
-            "step (SPEC 7)")
+            "step")
     uses = frozenset({"dpo", "grpo.num_generations"})
     output_name = "step3_online_dpo"
     demo_data = "prompts"  # without --data: the arithmetic prompts, scored by the default rules

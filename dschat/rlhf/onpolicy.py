@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dschat.data.collators import DataCollatorRLHF
-from dschat.rlhf.evaluation import evaluate
+from dschat.evaluation.policy import evaluate
 
 
 class OnPolicy:

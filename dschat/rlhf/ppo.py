@@ -1,5 +1,6 @@
-"""PPO (SPEC 5; Ouyang et al. 2022, DeepSpeed-Chat step 3): experience from the actor, reference, critic and
-reward model, KL-penalised per-token rewards, GAE, then ``ppo_epochs`` passes of clipped actor and critic steps.
+"""PPO (docs/algorithms.md, PPO; Ouyang et al. 2022, DeepSpeed-Chat step 3): experience from the actor,
+reference, critic and reward model, KL-penalised per-token rewards, GAE, then ``ppo_epochs`` passes of clipped
+actor and critic steps.
 
 One ``PPO.step()``: ``generation_batches`` experience batches -> ``update``. The losses and GAE are pure
 functions in ``dschat.losses``; the KL controller is the only state the algorithm carries between steps.
@@ -19,7 +20,7 @@ from dschat import losses as L
 from dschat.config import DataArgs, arg
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.errors import UserError
-from dschat.rewards import RM
+from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import (
@@ -32,7 +33,7 @@ from dschat.rlhf.rollout import (
     pad_right,
 )
 from dschat.rlhf.scoring import Scorer
-from dschat.stage import EpochStream, to_device, train_loader
+from dschat.training.stage import EpochStream, to_device, train_loader
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Experience:
 
 class PPO(OnPolicy):
     name = "ppo"
-    help = "PPO with actor, critic, reference and reward model (SPEC 5)"
+    help = "PPO with actor, critic, reference and reward model"
     uses = frozenset({"ppo", "critic", "critic_optim", "critic_engine", "critic_lora"})
     output_name = "step3_rlhf"  # the default --output-dir under output/
     demo_data = "pairwise"  # without --data: the demo corpus (its phase-3 prompts)

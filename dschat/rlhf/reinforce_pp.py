@@ -1,7 +1,7 @@
 """REINFORCE++ (``--algo reinforce_pp``; Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
 Large Language Models") and its group-baseline variant (``--algo reinforce_pp_baseline``).
 
-Per answer token the reward is PPO's (SPEC 5.3, ``L.kl_penalized_rewards``): ``-kl_ctl * (logp_old - ref)``
+Per answer token the reward is PPO's (``L.kl_penalized_rewards``): ``-kl_ctl * (logp_old - ref)``
 plus the clipped score at the last answer token; the advantage is the discounted return
 (``L.discounted_returns``, ``--gamma``) whitened over the whole global batch, every micro-batch on every rank
 (``L.masked_moments`` summed by ``E.all_reduce_sum``, then ``L.whiten_from_moments``): no critic, no per-prompt

@@ -27,7 +27,8 @@ from dschat.data.packing import (
     shared_prefix_mask,
     shared_prompt_groups,
 )
-from dschat.logits import token_logps
+from dschat.generation.decode import decode_answers
+from dschat.models.logits import token_logps
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -77,7 +78,7 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``(B, A)`` float32 of the answer tokens under ``model`` (an engine or a module); 0 where the
-    action mask is 0 (the output layer runs only on answer tokens: ``dschat.logits``). Rows with the same prompt
+    action mask is 0 (the output layer runs only on answer tokens: ``dschat.models.logits``). Rows with the same prompt
     (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``)."""
     rows, t = rollout.action_mask.nonzero(as_tuple=True)
     P = rollout.prompt_len
@@ -162,7 +163,7 @@ def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
 
 def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: Any, seed: int | None = None,
                      min_answer_len: int = 2) -> tuple[Rollout, int]:
-    """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them (SPEC 5.1);
+    """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them;
     every algorithm's rollouts and evaluation come from here."""
     out = hybrid.sample(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
     return make_rollout(batch["prompt"], batch["prompt_att_mask"], out.sequences, tokenizer.eos_token_id,
@@ -209,14 +210,8 @@ def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor
     text for the rule rewards.
     """
     P = rollout.prompt_len
-    answers = rollout.sequences[:, P:].cpu()
-    is_eos = answers == tokenizer.eos_token_id
-    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), torch.full_like(answers[:, 0],
-                                                                                      answers.shape[1]))
-    lengths = torch.where(is_eos.any(-1), first_eos + 1, first_eos).tolist()
     prompts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.sequences[:, :P].cpu(),
                                                                        prompt_mask.cpu(), strict=True)],
                                      skip_special_tokens=True)
-    completions = tokenizer.batch_decode([row[:n] for row, n in zip(answers, first_eos.tolist(), strict=True)],
-                                         skip_special_tokens=True)
+    completions, lengths = decode_answers(tokenizer, rollout.sequences[:, P:])
     return prompts, completions, lengths

@@ -1,5 +1,5 @@
 """What a rollout earns: the reward model's end score (re-tokenized for it when its tokenizer differs) and the
-rule, judge and user reward functions, mixed by weight (SPEC 5 and 6)."""
+rule, judge and user reward functions, mixed by weight (docs/algorithms.md, PPO and Rule rewards)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from dschat.data.collators import pad_sequences
-from dschat.judge import JUDGE, load_judge_reward
+from dschat.data.usertext import reencode_for_reward
 from dschat.losses import end_indices
-from dschat.models import same_tokenizer
-from dschat.rewards import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
+from dschat.models.loading import same_tokenizer
+from dschat.rewards.functions import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
+from dschat.rewards.judge import JUDGE, load_judge_reward
 from dschat.rlhf.rollout import Rollout, completion_texts, positions_from_mask
-from dschat.usertext import reencode_for_reward
 
 __all__ = ["JUDGE", "RM", "Retokenizer", "Scorer", "build_scorer", "reward_scores", "row_fields", "same_tokenizer"]
 
@@ -29,10 +29,10 @@ def reward_scores(reward_model: Any, rollout: Rollout, retokenize: Any | None = 
 
 
 class Retokenizer:
-    """Decode with the actor's tokenizer and re-encode for a reward model whose tokenizer differs (SPEC 5).
+    """Decode with the actor's tokenizer and re-encode for a reward model whose tokenizer differs.
 
     Too long for the reward model: the prompt loses its start after BOS, never the BOS or the scored end
-    (``dschat.usertext.reencode_for_reward``); ``truncated`` counts such rows.
+    (``dschat.data.usertext.reencode_for_reward``); ``truncated`` counts such rows.
     """
 
     def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_len: int):
@@ -54,7 +54,8 @@ class Retokenizer:
 
 
 def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:
-    """The reward functions' ``row_fields`` (dschat.rewards): ``answer`` plus every other field of the rows."""
+    """The reward functions' ``row_fields`` (dschat.rewards.functions): ``answer`` plus every other field of the
+    rows."""
     extras: list[dict[str, Any]] = batch.get("extra") or [{} for _ in batch["answer"]]
     reserved = {"answer", "prompts", "completions", "completion_lengths", "external"}
     names = sorted({k for e in extras for k in e} - reserved)
@@ -65,7 +66,7 @@ def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:
 
 class Scorer:
     """What a rollout earns under the run's reward sources: the mixer over rule functions and, for ``rm``, the
-    reward model's end score (re-tokenized for it when its tokenizer differs; SPEC 5)."""
+    reward model's end score (re-tokenized for it when its tokenizer differs)."""
 
     def __init__(self, mixer: RewardMixer, tokenizer: Any, reward_model: Any | None, retok: Retokenizer | None):
         self.mixer, self.tokenizer, self.reward_model, self.retok = mixer, tokenizer, reward_model, retok

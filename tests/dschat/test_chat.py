@@ -6,24 +6,17 @@ import sys
 
 import pytest
 
-from dschat.chat import (
-    ASSISTANT_PREFIX,
-    _make_streamer,
-    cut_at_stop,
-    encode_prompt,
-    fit_messages,
-    held_back,
-    interactive,
-)
+from dschat.cli.chat import ASSISTANT_PREFIX, interactive
 from dschat.devices import pick_device
 from dschat.errors import UserError
-from dschat.models import resolve_saved_model
+from dschat.generation.chat import _make_streamer, cut_at_stop, encode_prompt, fit_messages, held_back
+from dschat.models.loading import resolve_saved_model
 from tests.helpers import ROOT, run_cli
 
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from dschat.models import load_tokenizer, resolve_model
+    from dschat.models.loading import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("tiny"))
 
@@ -45,7 +38,7 @@ def test_greedy_answers_are_reproducible():
 
 
 def test_interactive_session_answers_each_turn_and_clears():
-    proc = subprocess.run([sys.executable, "-c", "from dschat.cli import cli; cli()", "chat", "--model", "tiny",
+    proc = subprocess.run([sys.executable, "-c", "from dschat.cli.main import cli; cli()", "chat", "--model", "tiny",
                            "--max-new-tokens", "8", "--seed", "0"],
                           input="你好\nclear\n再见\nquit\n这句不会被回答\n", cwd=ROOT, capture_output=True, text=True,
                           timeout=600)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dschat.cli import stage_command
+from dschat.cli.options import stage_command
 from dschat.config import SFTConfig, build_config, flag_specs
 from dschat.errors import UserError
 from tests.helpers import run_cli
@@ -69,7 +69,7 @@ def test_user_errors_are_one_line_exit_2(tmp_path, args, needle):
 def test_plan_steps_counts_accumulation_windows_across_epochs():
     from dschat.config import OptimArgs
     from dschat.errors import UserError
-    from dschat.stage import plan_steps
+    from dschat.training.stage import plan_steps
 
     # 10 micro-batches per epoch, 4 per optimizer step: windows run on over the epoch boundary
     assert plan_steps(10, OptimArgs(gradient_accumulation_steps=4, num_train_epochs=1)) == (2, 1)

@@ -1,4 +1,4 @@
-"""Data core: formats, splits, phases, collators, the tokenized cache, and user errors (SPEC section 2)."""
+"""Data core: formats, splits, phases, collators, the tokenized cache, and user errors (docs/data.md)."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from dschat.data.formats import (
 from dschat.data.phases import split_indices
 from dschat.data.sources import DataSpec
 from dschat.errors import UserError
-from dschat.models import load_tokenizer, resolve_model
+from dschat.models.loading import load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +351,10 @@ def test_collators_pad_dynamically_on_the_right_side():
     assert rl["prompt"].tolist() == [[1, 2, 3], [0, 1, 9]]  # left padded: generation starts aligned
     assert rl["prompt_att_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
     assert rl["answer"] == ["7", None]
+
+
+def test_every_row_format_has_its_parser():
+    """``parse_row`` dispatches through ``PARSERS``: one parser per detected format, none without a format."""
+    from dschat.data.formats import FORMATS, PARSERS
+
+    assert set(PARSERS) == set(FORMATS)

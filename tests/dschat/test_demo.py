@@ -1,5 +1,5 @@
 """Tests of the embedded demo and the tiny preset it shapes: generated corpus, the sentencepiece tokenizer (built
-by the demo, shipped and loaded by ``dschat.tiny``), the tiny model config."""
+by the demo, shipped and loaded by ``dschat.models.tiny``), the tiny model config."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from dschat.demo.corpus import (
     write_demo_files,
 )
 from dschat.demo.tokenizer import SPECIAL_TAGS, build_tokenizer_model, build_tokenizer_model_bytes
-from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, ZH_RUBRIC
-from dschat.tiny import (
+from dschat.models.tiny import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -37,6 +36,7 @@ from dschat.tiny import (
     save_tiny_tokenizer,
     tiny_model_config,
 )
+from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, ZH_RUBRIC
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CJK = re.compile(r"[\u4e00-\u9fff]")

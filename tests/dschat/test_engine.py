@@ -7,7 +7,7 @@ import torch
 
 from dschat import engine as E
 from dschat.config import EngineArgs, OptimArgs
-from dschat.tiny import tiny_model_config
+from dschat.models.tiny import tiny_model_config
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from dschat import engine as E
-from dschat.checkpoint import save_hf
 from dschat.config import EngineArgs, OptimArgs
-from dschat.export import export_state
-from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
-from dschat.resume import Checkpointer
+from dschat.models.loading import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.training.checkpoint import save_hf
+from dschat.training.export import export_state
+from dschat.training.resume import Checkpointer
 from tests.helpers import run_cli
 
 

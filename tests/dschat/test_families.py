@@ -1,6 +1,6 @@
-"""The families users bring, unit by unit (issue 15): the pad every tokenizer gets, HF score parity of a reward
-model, one decoded row per family (template, one BOS, the EOS), aliases, and weights published as
-``pytorch_model.bin``. The end-to-end runs are in ``tests/test_family_matrix.py``."""
+"""The families users bring, unit by unit (docs/models.md, Aliases and families): the pad every tokenizer gets,
+HF score parity of a reward model, one decoded row per family (template, one BOS, the EOS), aliases, and weights
+published as ``pytorch_model.bin``. The end-to-end runs are in ``tests/test_family_matrix.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from dschat.config import DataArgs
 from dschat.data import DataCollatorReward, load_phase
 from dschat.errors import UserError
-from dschat.models import PAD_TOKEN, create_causal_lm, create_reward_model, load_tokenizer
+from dschat.models.loading import PAD_TOKEN, create_causal_lm, create_reward_model, load_tokenizer
 from tests.families import FAMILIES, build_family, pairwise_rows, write_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_hf_sequence_classification_scores_equal_the_end_score(families, name, t
     and its own tokenizer's) and single rows score as dschat's end score, to 1e-5."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from dschat.checkpoint import save_hf
+    from dschat.training.checkpoint import save_hf
 
     folder, data = families
     tok = load_tokenizer(str(folder[name]))
@@ -93,8 +93,8 @@ def test_one_row_per_family_decodes_with_its_template_one_bos_and_the_eos(famili
     """Stage 1 rows of message prompts: the family's template (Human/Assistant without one), the prompt masked,
     one BOS at most, the answer trained through the EOS even where EOS is also BOS or the shipped pad. Stage 2
     rows end with the EOS; stage 3, ``dschat chat`` and the judge tokenize a prompt alike."""
-    from dschat.chat import encode_prompt
-    from dschat.judge import encode_prompts
+    from dschat.generation.chat import encode_prompt
+    from dschat.rewards.judge import encode_prompts
 
     folder, data = families
     tok = load_tokenizer(str(folder[name]))
@@ -143,10 +143,10 @@ def test_eos_is_trained_with_the_shipped_tokenizer_where_eos_is_also_pad_or_bos(
         assert batch["labels"][i, 0] == -100  # the prompt (and a leading BOS) is masked
 
 
-def test_aliases_name_their_family_and_the_readme_lists_them():
-    from dschat.models import ALIASES, FAMILY_ALIASES
+def test_aliases_name_their_family_and_the_docs_list_them():
+    from dschat.models.loading import ALIASES, FAMILY_ALIASES
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     for alias, (repo, family) in FAMILY_ALIASES.items():
         assert ALIASES[alias] == repo and family
         assert re.search(rf"\| `{re.escape(alias)}` \| `{re.escape(repo)}` \| {re.escape(family)} \|", readme), alias
@@ -155,7 +155,7 @@ def test_aliases_name_their_family_and_the_readme_lists_them():
 def test_download_takes_bin_weights_only_when_a_repo_has_no_safetensors(monkeypatch):
     import huggingface_hub
 
-    from dschat.models import download_patterns
+    from dschat.models.loading import download_patterns
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files",
                         lambda repo: ["config.json", "model.safetensors", "pytorch_model.bin"])

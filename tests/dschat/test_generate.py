@@ -1,6 +1,6 @@
-"""``dschat generate`` (SPEC 7): best/pairs selection by hand (ties), the flags it refuses, resume after an
-interruption (the same bytes as an uninterrupted run), and end to end: its ``--keep best`` output trains stage 1
-and its ``--keep pairs`` output trains DPO, unchanged."""
+"""``dschat generate`` (docs/cli.md, Commands): best/pairs selection by hand (ties), the flags it refuses, resume
+after an interruption (the same bytes as an uninterrupted run), and end to end: its ``--keep best`` output trains
+stage 1 and its ``--keep pairs`` output trains DPO, unchanged."""
 
 import json
 import signal
@@ -12,11 +12,18 @@ from pathlib import Path
 
 import pytest
 
-import dschat.generate as G
+import dschat.generation.best_of_n as G
 from dschat.config import SFTConfig, build_config, refuse_inert
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.generate import GenerateConfig, Sample, best_and_worst, check_generate_config, generate, prompt_rows
+from dschat.generation.best_of_n import (
+    GenerateConfig,
+    Sample,
+    best_and_worst,
+    check_generate_config,
+    generate,
+    prompt_rows,
+)
 from dschat.rlhf.config import RLHFConfig
 from tests.helpers import ROOT, read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run
@@ -155,7 +162,7 @@ def test_keep_best_trains_step1_unchanged(tmp_path):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from dschat.models import resolve_model
+    from dschat.models.loading import resolve_model
 
     rm = tmp_path / "rm"
     torch.manual_seed(0)
@@ -203,7 +210,7 @@ def test_kill_9_then_run_again_gives_the_uninterrupted_file(tmp_path):
     argv = ["generate", "--model", "tiny", "--data", cfg.data.data[0], "--output", str(out), "--max-prompts", "24",
             "--num-samples", "2", "--per-device-generation-batch-size", "2", "--max-answer-seq-len", "8",
             "--reward-funcs", cfg.rewards.reward_funcs[0], "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", *argv], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli.main import cli; cli()", *argv], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     progress = tmp_path / "killed.jsonl.progress.json"
     deadline = time.time() + 300

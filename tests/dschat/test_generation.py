@@ -1,4 +1,4 @@
-"""dschat's decode loop (dschat.generation) against transformers' generate, on tiny random models of several
+"""dschat's decode loop (dschat.generation.decode) against transformers' generate, on tiny random models of several
 architectures: greedy tokens must be identical (left padding, EOS mid-answer, early stop), the loop's log-probs
 must equal a full forward's, and the sampling warpers must cut exactly what HF's cut."""
 
@@ -19,9 +19,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from dschat.generation import (
+from dschat.generation.decode import (
     DschatBackend,
     GenerationConfig,
+    HFBackend,
     HFForward,
     LeanLlama,
     _BlockProducts,
@@ -148,7 +149,7 @@ def test_split_step_equals_single_products(kind, split, monkeypatch):
 def test_default_split(monkeypatch):
     """S is the largest divisor of the head counts and widths up to torch's thread count; 1 with one thread, off
     the CPU, or when the copy would pass SPLIT_COPY_BYTES."""
-    import dschat.generation as G
+    import dschat.generation.decode as G
 
     llama, gqa = model_of("llama"), model_of("llama_gqa_rope3")  # heads 4 / kv 4 and 4 / 2; hidden 32, MLP 64
     for threads, want in ((1, (1, 1)), (2, (2, 2)), (3, (2, 2)), (4, (4, 2)), (8, (4, 2))):
@@ -171,6 +172,43 @@ def test_stops_when_every_row_has_ended():
         got = DschatBackend().generate(model, ids, mask, GenerationConfig(max_new_tokens=30, do_sample=False),
                                        eos, PAD)
     assert got.sequences.shape[1] == ids.shape[1] + 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_repetition_penalty_equals_hf(kind):
+    """Greedy with a repetition penalty gives HF's tokens (prompts without padding: HF also penalises pad ids)."""
+    model = model_of(kind)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    cfg = GenerationConfig(max_new_tokens=24, do_sample=False, repetition_penalty=1.8)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=1, repetition_penalty=1.8)
+        plain = hf_greedy(model, ids, mask, 24, eos=1)
+        got = DschatBackend().generate(model, ids, mask, cfg, 1, PAD)
+        via_hf = HFBackend().generate(model, ids, mask, cfg, 1, PAD)
+    assert torch.equal(got.sequences, want) and torch.equal(via_hf.sequences, want)
+    assert not torch.equal(want, plain)  # the penalty changed the answer, so the check above means something
+
+
+@pytest.mark.parametrize("backend", [DschatBackend(), HFBackend()])
+def test_on_token_streams_every_step_and_stops_all_rows(backend):
+    """``on_token`` sees each step's tokens, in order, and returning True ends generation after that step."""
+    model = model_of("llama")
+    ids, mask = prompts()
+    seen: list[torch.Tensor] = []
+
+    def on_token(tok: torch.Tensor) -> bool:
+        seen.append(tok.clone())
+        return len(seen) == 3
+
+    with torch.no_grad():
+        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=20, do_sample=False,
+                                                                  on_token=on_token), 1, PAD)
+        full = hf_greedy(model, ids, mask, 20, eos=1)
+    assert got.sequences.shape[1] == ids.shape[1] + 3 and len(seen) == 3
+    assert torch.equal(torch.stack(seen, 1), got.sequences[:, ids.shape[1]:])
+    assert torch.equal(got.sequences, full[:, : ids.shape[1] + 3])
 
 
 def test_loop_logprobs_equal_a_forward_pass():
@@ -250,13 +288,13 @@ def test_warpers_match_hf():
     assert torch.equal(torch.isinf(warp_logits(logits, cfg)), torch.isinf(want))
 
 
-@pytest.mark.slow  # compiles the decode step (~20 s of two CPU cores)
+@pytest.mark.slow  # compiles the decode step, which is slow on a CPU
 def test_compiled_backend_matches_the_eager_loop():
     """--generation-backend compiled: greedy tokens equal to the eager lean loop's (left padding, EOS mid-answer),
     sampled tokens and their log-probs from the same seed equal to float rounding; a model the lean step cannot run
     is refused with one line."""
     from dschat.errors import UserError
-    from dschat.generation import make_backend
+    from dschat.generation.decode import make_backend
 
     model = model_of("llama_gqa_rope3")
     ids, mask = prompts()

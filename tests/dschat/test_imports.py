@@ -1,23 +1,26 @@
-"""The import graph of ``dschat/`` (SPEC 1: no import cycles; the library never imports the CLI layer or the demo).
+"""The import graph of ``dschat/``: no import cycles, and the layers below, stated by package
+(docs/architecture.md).
 
 Every ``import`` statement of every module is read with ``ast``: top-level ones, function-local ones and those
 under ``if TYPE_CHECKING:`` alike, so a cycle cannot hide inside a function. Importing ``a.b.c`` also runs the
 ``__init__`` of each package on the way (``a.b``), so that counts as an import of the package too, except of the
-importer's own packages (they are initialised before the importer runs). The commands that ``dschat.cli`` loads
-by name (its ``COMMANDS`` table, read from the source) count as imports of ``dschat.cli``.
+importer's own packages (they are initialised before the importer runs). The commands that ``dschat.cli.main``
+loads by name (its ``COMMANDS`` table, read from the source) count as imports of their modules.
 
-Three layers:
+The layers:
 
-- the **CLI layer** (``CLI_LAYER``): ``dschat.cli`` and the modules that define its click commands. They may
-  import anything in ``dschat``.
+- the **CLI layer**: the ``dschat.cli`` package, every click command one module of it, plus the option
+  machinery. It may import anything in ``dschat``; it is the only place that imports click.
 - the **demo** (the ``dschat.demo`` package): the generated corpus and the tools that build the tiny tokenizer.
   It may import the library, never the CLI layer.
-- the **library**: every other module, ``dschat.rlhf.*`` included. It never imports the CLI layer or the demo.
+- the **library**: every other module. It never imports the CLI layer or the demo.
+- the **core**, the modules at the root of ``dschat/`` (config, engine, losses, ...): part of the library that
+  imports none of its sub-packages, so any of them may use it.
 
 Who may import the demo (``DEMO_COMMANDS``): the demo package itself, and the commands whose documented default
-*is* the embedded demo: ``dschat.pipeline`` (``dschat pipeline`` with no arguments runs the demo, on demo files
-it picks per stage), ``dschat.commands`` (``dschat data inspect`` without ``--data`` shows the demo corpus) and
-``dschat.eval_cmd`` (``dschat eval --step 1|3`` without ``--data`` evaluates on the demo corpus, the stages' own
+*is* the embedded demo: ``dschat.cli.pipeline`` (``dschat pipeline`` with no arguments runs the demo, on demo files
+it picks per stage), ``dschat.cli.data`` (``dschat data inspect`` without ``--data`` shows the demo corpus) and
+``dschat.cli.eval`` (``dschat eval --step 1|3`` without ``--data`` evaluates on the demo corpus, the stages' own
 default data, so the demo's held-out figures can be reproduced).
 The stage mains live outside ``dschat/`` and pass ``dschat.demo.demo_data`` to the library as their default
 data, so the library itself never names the demo.
@@ -31,19 +34,10 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dschat"
 
-CLI_LAYER = frozenset({
-    "dschat.cli",  # the `dschat` group and `dschat train`
-    "dschat.chat",  # dschat chat
-    "dschat.commands",  # dschat data inspect|balance
-    "dschat.eval_cmd",  # dschat eval
-    "dschat.export",  # dschat export
-    "dschat.generate_cmd",  # dschat generate
-    "dschat.options",  # click options from flag declarations (dschat train's, and dschat eval's shared flags)
-    "dschat.judge_cmd",  # dschat judge (and the judge evaluation of dschat eval --judge)
-    "dschat.pipeline",  # dschat pipeline
-})
+CLI = "dschat.cli"
 DEMO = "dschat.demo"
-DEMO_COMMANDS = frozenset({"dschat.pipeline", "dschat.commands", "dschat.eval_cmd"})
+DEMO_COMMANDS = frozenset({"dschat.cli.pipeline", "dschat.cli.data", "dschat.cli.eval"})
+LAYER_FILES = frozenset({"dschat.cli.main"})  # where the lazily loaded COMMANDS table lives
 
 Graph = dict[str, dict[str, str]]  # module -> {imported module: "file:line" of the first such import}
 
@@ -83,7 +77,7 @@ def _imported_names(module: str, tree: ast.AST, files: dict[str, Path]) -> Itera
 
 
 def _lazy_commands(tree: ast.AST) -> Iterator[tuple[str, int]]:
-    """The modules named in ``COMMANDS = {"name": "module:attribute", ...}`` (``dschat.cli``'s lazy commands)."""
+    """The modules named in ``COMMANDS = {"name": "module:attribute", ...}`` (``dschat.cli.main``'s lazy commands)."""
     for node in ast.walk(tree):
         if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "COMMANDS" for t in node.targets)
                 and isinstance(node.value, ast.Dict)):
@@ -109,7 +103,7 @@ def import_graph(package_dir: Path) -> Graph:
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         names = list(_imported_names(module, tree, files))
-        if module == f"{package_dir.name}.cli":
+        if module in LAYER_FILES or module == f"{package_dir.name}.cli":
             names += list(_lazy_commands(tree))
         own = {".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 2)}  # itself and its packages
         for name, line in names:
@@ -156,11 +150,40 @@ def describe_cycle(cycle: list[str], graph: Graph) -> str:
         f"  {a} imports {b} at {graph[a][b]}" for a, b in zip(cycle, cycle[1:], strict=False))
 
 
+def _in(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def _in_demo(module: str) -> bool:
-    return module == DEMO or module.startswith(DEMO + ".")
+    return _in(DEMO, module)
+
+
+def in_cli_layer(module: str) -> bool:
+    return _in(CLI, module)
+
+
+def is_core(module: str) -> bool:
+    """A module at the root of ``dschat/`` (not a package, not in one)."""
+    return module.count(".") == 1 and not _is_package(module, FILES)
+
+
+def layer_violations(graph: Graph) -> list[str]:
+    """Every import that breaks a layer rule (the module docstring), as ``"a imports b (file:line)"``."""
+    bad = []
+    for m, deps in sorted(graph.items()):
+        for dep, where in sorted(deps.items()):
+            if in_cli_layer(dep) and not in_cli_layer(m):
+                bad.append(f"{m} imports {dep} ({where}): only the CLI layer imports dschat.cli")
+            elif _in_demo(dep) and not _in_demo(m) and m not in DEMO_COMMANDS:
+                bad.append(f"{m} imports {dep} ({where}): only the demo and " + ", ".join(sorted(DEMO_COMMANDS))
+                           + " import dschat.demo")
+            elif is_core(m) and not is_core(dep) and dep != "dschat":
+                bad.append(f"{m} imports {dep} ({where}): the core at the root of dschat/ imports no sub-package")
+    return bad
 
 
 # ------------------------------------------------------------------------------------------------------ tests
+FILES = module_files(PACKAGE_DIR)
 GRAPH = import_graph(PACKAGE_DIR)
 
 
@@ -169,26 +192,43 @@ def test_no_import_cycles() -> None:
     assert cycle is None, "import cycle in dschat/:\n" + describe_cycle(cycle, GRAPH)
 
 
-def test_the_library_and_the_demo_never_import_the_cli_layer() -> None:
-    bad = [f"{m} imports {dep} ({where})" for m, deps in sorted(GRAPH.items()) if m not in CLI_LAYER
-           for dep, where in sorted(deps.items()) if dep in CLI_LAYER]
-    assert not bad, "library or demo module importing the CLI layer:\n" + "\n".join(bad)
+def test_every_import_keeps_to_the_layers() -> None:
+    bad = layer_violations(GRAPH)
+    assert not bad, "imports across the layers of dschat/:\n" + "\n".join(bad)
 
 
-def test_only_the_demo_commands_import_the_demo() -> None:
-    bad = [f"{m} imports {dep} ({where})" for m, deps in sorted(GRAPH.items())
-           if not _in_demo(m) and m not in DEMO_COMMANDS for dep, where in sorted(deps.items()) if _in_demo(dep)]
-    assert not bad, "module importing dschat.demo (only " + ", ".join(sorted(DEMO_COMMANDS)) + \
-        " and the demo itself may):\n" + "\n".join(bad)
+def test_the_layer_check_fails_on_a_library_module_importing_the_cli() -> None:
+    """The rule itself: a library module that imports a command (here a planted edge) is reported, and so is a
+    core module that imports a sub-package."""
+    planted = {**GRAPH, "dschat.losses": {**GRAPH["dschat.losses"], "dschat.cli.train": "dschat/losses.py:1"},
+               "dschat.rlhf.ppo": {**GRAPH["dschat.rlhf.ppo"], "dschat.cli.options": "dschat/rlhf/ppo.py:1"}}
+    bad = layer_violations(planted)
+    assert any(b.startswith("dschat.losses imports dschat.cli.train") for b in bad), bad
+    assert any(b.startswith("dschat.rlhf.ppo imports dschat.cli.options") for b in bad), bad
+    assert any("core at the root" in b for b in layer_violations(
+        {**GRAPH, "dschat.losses": {"dschat.rlhf": "dschat/losses.py:1"}})), "core rule not checked"
 
 
-def test_the_cli_layer_lists_every_command_module() -> None:
-    """A command registered in ``dschat.cli.COMMANDS`` belongs to the CLI layer above; the layer names no module
-    that does not exist."""
-    assert CLI_LAYER <= set(GRAPH), sorted(CLI_LAYER - set(GRAPH))
-    cli_tree = ast.parse((PACKAGE_DIR / "cli.py").read_text(encoding="utf-8"))
-    commands = {name for name, _ in _lazy_commands(cli_tree)}
-    assert commands and commands <= CLI_LAYER, sorted(commands - CLI_LAYER)
+def test_only_the_cli_layer_imports_click() -> None:
+    """``import click`` / ``from click ...`` appears in no module outside ``dschat/cli/`` (nor in the stage mains,
+    which build their commands through ``dschat.cli.options``)."""
+    root = PACKAGE_DIR.parent
+    files = [p for p in PACKAGE_DIR.rglob("*.py") if "cli" not in p.relative_to(PACKAGE_DIR).parts[:1]]
+    files += sorted(root.glob("step*_*/main.py"))
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.relative_to(root)}:{node.lineno}" for n in names if n.split(".")[0] == "click"]
+    assert files and not bad, "click imported outside dschat/cli/: " + ", ".join(bad)
+
+
+def test_every_registered_command_is_a_cli_module() -> None:
+    """Each command in ``dschat.cli.main.COMMANDS`` names an existing module of the CLI layer."""
+    tree = ast.parse((PACKAGE_DIR / "cli" / "main.py").read_text(encoding="utf-8"))
+    commands = {name for name, _ in _lazy_commands(tree)}
+    assert commands and all(in_cli_layer(c) and c in GRAPH for c in commands), sorted(commands)
 
 
 def test_the_checker_sees_cycles_through_function_local_imports_and_package_inits(tmp_path: Path) -> None:

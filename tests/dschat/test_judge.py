@@ -11,7 +11,10 @@ from dschat.data.phases import cache_key, load_phase
 from dschat.data.sources import DataSpec
 from dschat.demo.corpus import generate_judge_cold_start, generate_judge_pairs
 from dschat.errors import UserError
-from dschat.judge import (
+from dschat.models.loading import load_tokenizer, resolve_model
+from dschat.prompts import judge_user_message
+from dschat.rewards.functions import judge_match_reward
+from dschat.rewards.judge import (
     JudgeReward,
     SamplingArgs,
     balance_rows,
@@ -24,9 +27,6 @@ from dschat.judge import (
     swap_answers,
     swap_row,
 )
-from dschat.models import load_tokenizer, resolve_model
-from dschat.prompts import judge_user_message
-from dschat.rewards import judge_match_reward
 from dschat.utils import write_jsonl
 from tests.helpers import read_json, read_jsonl, run_cli
 
@@ -221,7 +221,7 @@ def test_judge_reward_asks_both_orders_and_averages():
                                                       True)
     with pytest.raises(UserError, match="reference answer"):
         JudgeReward(scripted([]))(prompts, ["x", "y"], answer=[None, "ok"])
-    from dschat.rewards import get_reward_func
+    from dschat.rewards.functions import get_reward_func
 
     with pytest.raises(UserError, match="--judge-model"):  # a model, so only stage 3 can build it
         get_reward_func("judge")
@@ -253,7 +253,7 @@ def test_question_of_prompt_forms():
 def test_batched_left_padded_greedy_equals_one_by_one_and_votes_are_seeded(tok):
     import torch
 
-    from dschat.judge import encode_prompts, load_judge
+    from dschat.rewards.judge import encode_prompts, load_judge
 
     lm, tok, _ = load_judge("tiny", device=torch.device("cpu"))
     prompts = [r["context_messages"] for r in generate_judge_pairs(5, seed=5)]
@@ -275,7 +275,7 @@ def test_batched_left_padded_greedy_equals_one_by_one_and_votes_are_seeded(tok):
 def test_judge_rows_are_read_as_training_reads_them(tmp_path):
     """A malformed row (a bad winner, a missing field) is dropped and counted, as the training loader does, not a
     reason to stop; a source that is mostly malformed still stops; the rubric is injected as in training."""
-    from dschat.judge import load_judge_rows
+    from dschat.rewards.judge import load_judge_rows
 
     rows = generate_judge_pairs(6, seed=2, with_rubric=False)
     bad = [{**rows[0], "winner": "model_c"}, {"winner": "model_a", "context_messages": "not messages"}]
@@ -292,7 +292,7 @@ def test_judge_rows_are_read_as_training_reads_them(tmp_path):
 
 
 def test_evaluate_judge_files_in_process(tmp_path):
-    from dschat.judge_cmd import evaluate_judge_files
+    from dschat.evaluation.judge import evaluate_judge_files
 
     write_jsonl(generate_judge_pairs(6, seed=2, with_rubric=False), tmp_path / "held_out.jsonl")
     rubric = tmp_path / "rubric.txt"

@@ -1,4 +1,4 @@
-"""The output layer only where a loss reads it (dschat.logits) and DPO's one-sequence-per-pair layout: the same
+"""The output layer only where a loss reads it (dschat.models.logits) and DPO's one-sequence-per-pair layout: the same
 log-probs, losses and gradients as the full (B, T, V) logits, on the tiny preset and real demo rows."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from dschat.config import DataArgs
 from dschat.data import DataCollatorSFT, load_phase
 from dschat.data.packing import common_prefix, shared_prefix_inputs, shared_prefix_layout, shared_prefix_mask, unpack
 from dschat.demo import demo_data
-from dschat.logits import causal_lm_loss, selected_logits
+from dschat.models.logits import causal_lm_loss, selected_logits
 from dschat.rlhf.dpo import DataCollatorPairs, pair_logps, sequence_logps
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dschat.models import load_tokenizer, resolve_model
+    from dschat.models.loading import load_tokenizer, resolve_model
 
     path = resolve_model("tiny")
     return path, load_tokenizer(path)

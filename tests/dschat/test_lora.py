@@ -1,4 +1,4 @@
-"""LoRA through PEFT (dschat.lora): only adapters (and a v_head) train, saves merge into plain HF folders that
+"""LoRA through PEFT (dschat.models.lora): only adapters (and a v_head) train, saves merge into plain HF folders that
 load without peft, and ``--save-adapter`` folders load back onto the base model with peft."""
 
 import dataclasses
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from dschat import engine as E
-from dschat.checkpoint import save_hf
 from dschat.config import EngineArgs, LoraArgs, OptimArgs, flag_specs
 from dschat.errors import UserError
-from dschat.lora import ADAPTER_DIR, lora_param_groups, merged_state_dict, target_module_names
-from dschat.models import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
-from dschat.reward_model import hf_model
+from dschat.models.loading import create_causal_lm, create_reward_model, load_tokenizer, resolve_model
+from dschat.models.lora import ADAPTER_DIR, lora_param_groups, merged_state_dict, target_module_names
+from dschat.models.reward_model import hf_model
+from dschat.training.checkpoint import save_hf
 
 LR = 1e-2
 IDS = torch.randint(4, 100, (2, 8), generator=torch.Generator().manual_seed(0))  # no pad (3) inside: ids >= 4
@@ -197,8 +197,8 @@ def test_merge_handles_gpt2_conv1d_and_a_peft_model_wrapper():
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-    from dschat.lora import apply_lora
-    from dschat.tiny import tiny_model_config
+    from dschat.models.lora import apply_lora
+    from dschat.models.tiny import tiny_model_config
 
     # GPT-2's Conv1D stores (in, out): the update must be transposed (PEFT's fan_in_fan_out).
     torch.manual_seed(0)

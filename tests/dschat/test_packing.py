@@ -120,7 +120,7 @@ def test_length_grouped_batches_hold_rows_of_similar_length():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dschat.models import load_tokenizer, resolve_model
+    from dschat.models.loading import load_tokenizer, resolve_model
 
     path = resolve_model("tiny")
     return path, load_tokenizer(path)
@@ -153,7 +153,7 @@ def test_packed_sft_loss_equals_the_padded_one(tiny, attention, mask_prompt):
 
 @pytest.fixture(scope="module")
 def reward_model(tiny):
-    from dschat.models import create_reward_model
+    from dschat.models.loading import create_reward_model
 
     path, tok = tiny
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ def reward_model(tiny):
 
 @pytest.mark.parametrize("rm_loss", ["pairwise", "last-token"])
 def test_packed_reward_losses_equal_the_padded_ones(tiny, reward_model, rm_loss):
-    from dschat.reward_eval import reward_loss, reward_values
+    from dschat.training.reward import reward_loss, reward_values
 
     _, tok = tiny
     collator = DataCollatorReward(tok.pad_token_id)

@@ -3,7 +3,7 @@
 import pytest
 
 from dschat.errors import UserError
-from dschat.pipeline import parse_stages
+from dschat.training.pipeline import parse_stages
 from tests.helpers import read_json, run_cli
 
 
@@ -45,7 +45,7 @@ def test_pipeline_all_runs_each_stage_on_the_previous_output_and_skips_finished(
 
 def test_pipeline_dpo_stages_and_folders(tmp_path):
     from dschat.demo import demo_files
-    from dschat.pipeline import stage_argv
+    from dschat.training.pipeline import stage_argv
 
     assert parse_stages("dpo") == ["sft", "rm", "dpo"]
     assert parse_stages("sft,rm") == ["sft", "rm"]
@@ -54,21 +54,21 @@ def test_pipeline_dpo_stages_and_folders(tmp_path):
     names = parse_stages("dpo")
     # SFT and RM are the PPO pipeline's, flag for flag, so a finished `dschat pipeline all` folder is reused.
     for stage in ("sft", "rm"):
-        assert stage_argv(stage, tmp_path, "tiny", "", [], True, {}, names) == \
-            stage_argv(stage, tmp_path, "tiny", "", [], True, {}, parse_stages("all"))
-    dpo = stage_argv("dpo", tmp_path, "tiny", "", [], True, {}, names)
+        assert stage_argv(stage, tmp_path, "tiny", "", [], demo_files(), {}, names) == \
+            stage_argv(stage, tmp_path, "tiny", "", [], demo_files(), {}, parse_stages("all"))
+    dpo = stage_argv("dpo", tmp_path, "tiny", "", [], demo_files(), {}, names)
     assert dpo[dpo.index("--actor-model") + 1] == str(tmp_path / "step1_sft" / "model")
     assert dpo[dpo.index("--reward-model") + 1] == str(tmp_path / "step2_reward" / "model")
     assert dpo[dpo.index("--data") + 1] == str(demo_files()["pairwise"])
     assert dpo[dpo.index("--output-dir") + 1] == str(tmp_path / "step3_dpo")
     assert dpo.count("--algo") == 1 and dpo[dpo.index("--algo") + 1] == "dpo"
-    online = stage_argv("dpo", tmp_path, "tiny", "", [], True, {"dpo": ["--algo", "online_dpo", "--max-steps", "3"]},
-                        names)
+    online = stage_argv("dpo", tmp_path, "tiny", "", [], demo_files(),
+                        {"dpo": ["--algo", "online_dpo", "--max-steps", "3"]}, names)
     assert online.count("--algo") == 1 and online[online.index("--algo") + 1] == "online_dpo"
     assert online[online.index("--output-dir") + 1] == str(tmp_path / "step3_online_dpo")
     assert online[-2:] == ["--max-steps", "3"] and "--num-generations" in online
     with pytest.raises(UserError, match="--algo dpo or online_dpo"):
-        stage_argv("dpo", tmp_path, "tiny", "", [], True, {"dpo": ["--algo=grpo"]}, names)
+        stage_argv("dpo", tmp_path, "tiny", "", [], demo_files(), {"dpo": ["--algo=grpo"]}, names)
 
 
 @pytest.mark.slow
@@ -91,3 +91,53 @@ def test_pipeline_dpo_and_online_dpo_report(tmp_path):
     report = read_json(out / "pipeline.json")
     assert report["dpo_algo"] == "online_dpo" and report["dpo_pairs"] > 0 and set(report["seconds"]) == {"dpo"}
     assert read_json(out / "step3_online_dpo" / "args.json")["reward_model"] == str(out / "step2_reward" / "model")
+
+
+REPORT = {"sft_perplexity_before": 4155.889, "sft_perplexity": 9.3211, "rm_accuracy_before": 0.5, "rm_accuracy": 1.0,
+          "dpo_algo": "online_dpo", "dpo_loss_type": "sigmoid", "dpo_beta": 0.5, "dpo_implicit_accuracy_before": 0.5,
+          "dpo_implicit_accuracy_after": 0.594, "dpo_eval_pairs_after": 256, "dpo_reward_before": 3.228,
+          "dpo_reward_after": 3.919, "dpo_reward_gain": 0.691, "dpo_reward_gain_se": 0.064, "dpo_eval_prompts": 256,
+          "dpo_eval_samples": 8, "dpo_kl_after": 1.181, "dpo_pairs": 1600, "dpo_tie_groups": 0,
+          "dpo_sampled_implicit_accuracy_before": 0.5, "dpo_sampled_implicit_accuracy_after": 0.68,
+          "dpo_sampled_pairs_after": 250, "dpo_onpolicy_implicit_accuracy_before": None,
+          "dpo_onpolicy_implicit_accuracy_after": 0.695, "dpo_onpolicy_pairs_after": 0,
+          "judge_reward_funcs": ["judge_match", "format"], "judge_match_reward_before": -0.2,
+          "judge_match_reward_after": 0.4,
+          "judge_reward_format_before": 0.1, "judge_reward_format_after": 0.9, "judge_accuracy_before": 0.55,
+          "judge_accuracy_se_before": 0.05, "judge_accuracy_after": 0.7, "judge_accuracy_se_after": 0.045,
+          "judge_accuracy_gain": 0.15, "judge_accuracy_gain_se": 0.04, "judge_n_after": 100,
+          "judge_unparseable_rate_before": 0.3, "judge_unparseable_rate_after": 0.05, "judge_position_bias_before": 0.2,
+          "judge_position_bias_after": -0.05, "judge_format_rate_before": 0.4, "judge_format_rate_after": None,
+          "seconds": {"sft": 14.2, "dpo": 61.0}}
+
+
+def test_report_lines_of_the_online_dpo_and_judge_pipelines():
+    """The printed report, line by line, from a report dict: values to 3 decimals, '-' for a missing one, each
+    reward source of the judge pipeline but judge_match on a line of its own."""
+    from dschat.training.pipeline import report_lines
+
+    assert report_lines(REPORT, ["sft", "rm", "dpo"], "online_dpo") == [
+        'SFT   perplexity        4155.89 -> 9.32',
+        'RM    accuracy          0.500 -> 1.000',
+        'ODPO  implicit acc.     0.500 -> 0.594 (256 held-out pairs), online_dpo loss sigmoid, beta 0.5',
+        '      RM reward         3.228 -> 3.919 (gain 0.691 ± 0.064 s.e., 256 held-out prompts x 8 answers), '
+        'KL 1.181',
+        "      sampled pairs     implicit acc. 0.500 -> 0.680 (250 held-out pairs of the SFT policy's "
+        'answers, best vs worst by reward)',
+        "      on-policy pairs   implicit acc. - -> 0.695 (- held-out pairs of the evaluated policy's own "
+        'answers)',
+        '      pairs trained     1600, tied groups skipped 0',
+        'time  sft 14s, dpo 61s',
+    ]
+    assert report_lines(REPORT, ["sft", "judge"]) == [
+        'SFT   perplexity        4155.89 -> 9.32',
+        "GRPO  judge_match       -0.200 -> 0.400 (sampled, on GRPO's own held-out rows)",
+        '      format            0.100 -> 0.900 (sampled)',
+        'JUDGE accuracy          0.550 ± 0.050 -> 0.700 ± 0.045 (gain 0.150 ± 0.040 s.e., 100 held-out rows, '
+        'greedy)',
+        '      unparseable       0.300 -> 0.050',
+        '      position bias     0.200 -> -0.050 (accuracy when A wins minus when B wins)',
+        '      well-formed       0.400 -> - (share of completions with <think>..</think> then '
+        '<answer>..</answer>)',
+        'time  sft 14s, dpo 61s',
+    ]

@@ -1,10 +1,11 @@
-"""dschat.rewards: the rule functions on hand-made strings, answer normalisation, user functions, the mixer."""
+"""dschat.rewards.functions: the rule functions on hand-made strings, answer normalisation, user functions, the
+mixer."""
 
 import pytest
 import torch
 
 from dschat.errors import UserError
-from dschat.rewards import (
+from dschat.rewards.functions import (
     RewardMixer,
     accuracy_reward,
     answers_match,
@@ -30,7 +31,7 @@ def test_format_needs_one_think_then_one_answer():
         "<think>a</think><think>b</think><answer>1</answer>",  # two thinks
         "<think>a</think><answer>1</answer><answer>2</answer>",  # two answers
         "<think>a<answer>1</answer></think>",  # nested
-        "<think>a</think> so <answer>1</answer>",  # SPEC 6 asks only for the tags, once each and in order:
+        "<think>a</think> so <answer>1</answer>",  # the rule asks only for the tags, once each and in order:
         "Sure! <think>a</think><answer>1</answer>",  # text before,
         "<think>a</think><answer>1</answer> done",  # between or after the blocks does not matter
     ]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dschat import stage as S
+from dschat.training import stage as S
 
 
 def _collate(rows):

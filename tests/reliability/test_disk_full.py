@@ -1,4 +1,4 @@
-"""Issue 11, item 3: a full disk during a save is one line naming what was written and the free space (exit 2);
+"""A full disk during a save is one line naming what was written and the free space (exit 2);
 the partial state is removed and the last complete one stays ``latest`` and resumes."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def save(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     return real(obj, f, *args, **kwargs)
 torch.save = save
-from dschat.cli import cli; cli()
+from dschat.cli.main import cli; cli()
 """
 
 

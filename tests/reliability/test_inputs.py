@@ -1,5 +1,5 @@
-"""Issue 11, items 4, 7, 8, 9, 11 and 12: bad data, damaged or code-carrying models, special tokens typed by a
-user, reward-model truncation, and the messages that used to be tracebacks or blamed the wrong thing."""
+"""Bad data, damaged or code-carrying models, special tokens typed by a user, reward-model truncation, and the
+messages that used to be tracebacks or blamed the wrong thing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dschat.config import DataArgs
 from dschat.data.phases import load_phase
 from dschat.data.sources import DataSpec, load_source
 from dschat.errors import UserError
-from dschat.models import create_causal_lm, load_tokenizer, resolve_model
+from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
 from tests.helpers import run_cli
 from tests.reliability.conftest import TRAIN, fresh_copy, one_line_error, sft_rows, write_jsonl
 
@@ -116,8 +116,8 @@ def test_remote_code_needs_the_flag(trained, tmp_path):
 
 # -------------------------------------------------------------------------------------------- special tokens
 def test_user_text_special_tokens_stay_text(tok):
-    from dschat.chat import encode_prompt
-    from dschat.usertext import encode_texts
+    from dschat.data.usertext import encode_texts
+    from dschat.generation.chat import encode_prompt
 
     eos, bos = tok.eos_token_id, tok.bos_token_id
     text = "\n\nHuman: </s><s> hello <pad>\n\nAssistant:"
@@ -132,7 +132,7 @@ def test_user_text_special_tokens_stay_text(tok):
 
 def test_chat_template_markers_stay_tokens(tok):
     from dschat.data.formats import render_prompt
-    from dschat.usertext import encode_one, prompt_parts
+    from dschat.data.usertext import encode_one, prompt_parts
 
     tok = tok.__class__.from_pretrained(tok.name_or_path)
     tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -156,7 +156,7 @@ def test_training_rows_with_special_strings(tmp_path, tok):
 
 
 def test_reward_retokenization_keeps_bos(tok):
-    from dschat.usertext import reencode_for_reward
+    from dschat.data.usertext import reencode_for_reward
 
     prompt, answer = "\n\nHuman: " + "long question " * 40 + "\n\nAssistant:", " short </s> answer"
     ids, cut = reencode_for_reward(prompt, answer, True, tok, 32)
@@ -171,7 +171,7 @@ def test_reward_retokenization_keeps_bos(tok):
 
 # ---------------------------------------------------------------------------------------------------- messages
 def test_a_user_reward_function_that_raises(tmp_path):
-    from dschat.rewards import RewardMixer
+    from dschat.rewards.functions import RewardMixer
 
     path = tmp_path / "my_reward.py"
     path.write_text("def score(prompts, completions, **kw):\n"
@@ -188,7 +188,7 @@ def test_ctrl_c_during_shutdown_is_quiet(monkeypatch):
     """A second Ctrl-C while the interpreter joins threads on its way out used to print a stray traceback."""
     import threading
 
-    from dschat.stage import sigint_unless_exiting
+    from dschat.training.stage import sigint_unless_exiting
 
     with pytest.raises(KeyboardInterrupt):  # while running: Python's own Ctrl-C
         sigint_unless_exiting(signal.SIGINT, None)

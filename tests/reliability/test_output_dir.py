@@ -1,5 +1,5 @@
-"""Issue 11, items 2, 6 and 10: one run per output folder, a folder that cannot be one, and nodes that do not
-share it."""
+"""One run per output folder, a folder that cannot be one, and nodes that do not share it (docs/operations.md,
+Locks)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-from dschat.lock import LOCK_NAME
+from dschat.training.lock import LOCK_NAME
 from tests.helpers import ROOT, read_jsonl, run_cli, run_two_nodes
 from tests.reliability.conftest import TRAIN, fresh_copy, one_line_error
 
 
 def test_two_runs_started_together_into_one_folder(tmp_path, small_data):
-    """The same command twice, a moment apart (the issue's repro): one run trains, the other stops at once with
+    """The same command twice, a moment apart: one run trains, the other stops at once with
     one line naming the holder; the folder holds exactly the winner's metrics."""
     out = tmp_path / "run"
-    args = [sys.executable, "-c", "from dschat.cli import cli; cli()", *TRAIN, "--data", str(small_data),
+    args = [sys.executable, "-c", "from dschat.cli.main import cli; cli()", *TRAIN, "--data", str(small_data),
             "--output-dir", str(out), "--max-steps", "20", "--no-save-final-state"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = []

@@ -1,6 +1,6 @@
-"""Issue 11, item 1: nothing user-supplied is unpickled. A pickle planted in a training state is refused before
-any loader sees it (the state's sha256 manifest); the tokenized-data cache is JSON, so a planted pickle there is
-never loaded at all."""
+"""Nothing user-supplied is unpickled (docs/operations.md, Security). A pickle planted in a training state is
+refused before any loader sees it (the state's sha256 manifest); the tokenized-data cache is JSON, so a planted
+pickle there is never loaded at all."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_rng_state_round_trips_without_pickles(tmp_path):
 
     import numpy as np
 
-    from dschat.resume import _rng_state, _set_rng_state
+    from dschat.training.resume import _rng_state, _set_rng_state
 
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.standard_normal()  # a cached gaussian in numpy's state

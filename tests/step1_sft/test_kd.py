@@ -1,6 +1,6 @@
-"""Knowledge distillation in stage 1 (SPEC 7 ``kd``): the loss of a micro-batch is the mix it claims to be, a short
-run moves the student towards its teacher, and a teacher with another tokenizer or a KD flag without a teacher
-stops with one line."""
+"""Knowledge distillation in stage 1 (docs/algorithms.md, Distillation): the loss of a micro-batch is the mix it
+claims to be, a short run moves the student towards its teacher, and a teacher with another tokenizer or a KD flag
+without a teacher stops with one line."""
 
 from pathlib import Path
 
@@ -18,7 +18,7 @@ def make_teacher(folder: Path, seed: int = 7) -> Path:
     starts far from."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from dschat.models import resolve_model
+    from dschat.models.loading import resolve_model
 
     tiny = resolve_model("tiny")
     if not (folder / "config.json").exists():
@@ -34,8 +34,8 @@ def make_teacher(folder: Path, seed: int = 7) -> Path:
 
 
 def test_step1_loss_with_a_teacher_is_the_hand_assembled_mix(tmp_path):
-    from dschat.distill import Distiller
-    from dschat.models import create_causal_lm, load_tokenizer, resolve_model
+    from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
+    from dschat.training.distill import Distiller
 
     a, T = 0.3, 2.0
     tiny = resolve_model("tiny")
@@ -74,7 +74,7 @@ def test_sft_with_a_teacher_moves_the_student_towards_it(tmp_path):
                                            "teacher_model": str(teacher), "kd_coef": 0.9, "kd_temperature": 2.0,
                                            "per_device_train_batch_size": 8, "max_eval_rows": 32,
                                            "progress": False}))
-    assert metrics["kd"] < 0.9 * metrics["kd_before"], metrics  # measured: 1.66 -> 1.31
+    assert metrics["kd"] < 0.9 * metrics["kd_before"], metrics  # a short run clears this margin comfortably
     assert metrics["top1_agreement"] > metrics["top1_agreement_before"]
     assert metrics["teacher_model"] == str(teacher) and metrics["kd_coef"] == 0.9
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]

@@ -95,7 +95,7 @@ def test_ctrl_c_saves_a_state_and_exits_cleanly(tmp_path):
     import time
 
     out = tmp_path / "int"
-    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli import cli; cli()", "train", "--step", "1",
+    proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli.main import cli; cli()", "train", "--step", "1",
                              "--max-steps", "400", "--no-progress", "--output-dir", str(out)],
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300

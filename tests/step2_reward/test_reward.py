@@ -12,7 +12,7 @@ from dschat.config import OptimArgs, RewardConfig, build_config
 from dschat.data import DataCollatorReward
 from dschat.demo import demo_data, generate_pairwise
 from dschat.demo.corpus import prompt_question
-from dschat.stage import DEFAULT_LR, TINY_LR, eval_loader, learning_rate
+from dschat.training.stage import DEFAULT_LR, TINY_LR, eval_loader, learning_rate
 from tests.helpers import read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run
 
@@ -33,7 +33,7 @@ def _scores(model_dir, rows):
     """HF logits and dschat end scores of right-padded (chosen..., rejected...) batches of ``rows``."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from dschat.models import create_reward_model
+    from dschat.models.loading import create_reward_model
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     batch = DataCollatorReward(tok.pad_token_id)(rows)
@@ -50,7 +50,7 @@ def demo_rows():
     """Tokenized demo pairs of varied lengths, for scoring saved models."""
     from dschat.config import DataArgs
     from dschat.data import load_phase
-    from dschat.models import load_tokenizer, resolve_model
+    from dschat.models.loading import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("tiny"))
     data = load_phase(DataArgs(), 2, tok, 1234, log=lambda _: None, default_data=demo_data)
@@ -74,7 +74,7 @@ def test_learning_rate_rule_for_small_models():
 
 def test_evaluate_reward_hand_worked():
     """A stand-in model whose value at every token is the token id, so each end score is the last real id."""
-    from dschat.reward_eval import evaluate_reward
+    from dschat.evaluation.reward_model import evaluate_reward
 
     class IdValues(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -132,7 +132,7 @@ def test_saved_model_loads_with_auto_class_and_scores_the_same(trained, demo_row
 
 
 def test_stats_sample_is_capped_and_spans_the_rows():
-    from dschat.reward_eval import stats_sample
+    from dschat.evaluation.reward_model import stats_sample
 
     rows = [{"i": i} for i in range(200)]
     sample = [r["i"] for r in stats_sample(rows, 64)]
@@ -147,8 +147,8 @@ def test_reward_stats_without_eval_rows_come_from_a_small_training_sample(tmp_pa
     pairs (one short pass, not --max-eval-rows of them); with held-out pairs, the eval pairs' own scores."""
     from dschat.config import DataArgs
     from dschat.data import load_phase
-    from dschat.models import create_reward_model, load_tokenizer
-    from dschat.reward_eval import STATS_PAIRS, evaluate_reward, stats_sample
+    from dschat.evaluation.reward_model import STATS_PAIRS, evaluate_reward, stats_sample
+    from dschat.models.loading import create_reward_model, load_tokenizer
 
     _, with_eval = trained
     assert with_eval["reward_stats_pairs"] == with_eval["eval_pairs"] > 0
@@ -249,8 +249,8 @@ def test_two_ranks_zero3_exact_eval_with_uneven_shards(tmp_path):
     metrics equal one process scoring all 9 pairs."""
     from dschat.config import DataArgs
     from dschat.data import load_phase
-    from dschat.models import create_reward_model, load_tokenizer
-    from dschat.reward_eval import evaluate_reward
+    from dschat.evaluation.reward_model import evaluate_reward
+    from dschat.models.loading import create_reward_model, load_tokenizer
 
     out = tmp_path / "z3"
     proc = run_cli("train", "--step", "2", "--num-gpus", "2", "--model", "tiny", "--zero-stage", "3",

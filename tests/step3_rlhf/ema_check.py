@@ -20,8 +20,8 @@ import torch
 
 from dschat import engine as E
 from dschat.config import EngineArgs, OptimArgs
+from dschat.models.tiny import tiny_model_config
 from dschat.rlhf.ema import ActorEMA, step_actor
-from dschat.tiny import tiny_model_config
 
 DECAY = 0.75
 

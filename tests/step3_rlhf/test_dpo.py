@@ -120,7 +120,7 @@ def test_rpo_alpha_adds_the_chosen_per_token_nll():
 def test_dpo_with_actor_lora_trains_only_the_adapters(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dschat.models import resolve_model
+    from dschat.models.loading import resolve_model
 
     out = tmp_path / "lora"
     metrics = run(dpo_cfg(out, max_steps=3, actor_lora_dim=4, actor_lora_learning_rate=1e-2,
@@ -144,7 +144,7 @@ def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch,
     import signal
 
     from dschat.rlhf.algorithms import ALGORITHMS
-    from dschat.stage import Interrupted
+    from dschat.training.stage import Interrupted
     from tests.helpers import losses
 
     Algo = ALGORITHMS[algo]

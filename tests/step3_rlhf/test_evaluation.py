@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dschat.rlhf import evaluation
+from dschat.evaluation import policy as evaluation
 
 
 class _Loader:

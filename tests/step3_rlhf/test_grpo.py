@@ -13,12 +13,12 @@ from dschat import engine as E
 from dschat.config import build_config, flag_specs
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.pipeline import GRPO_SFT_FOLDER, parse_stages, stage_argv
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.grpo import mask_truncated, needs_old_logprobs, optimizer_step_normalizers, select_groups
 from dschat.rlhf.rollout import Rollout, repeat_prompts
 from dschat.rlhf.scoring import reward_weights
+from dschat.training.pipeline import GRPO_SFT_FOLDER, parse_stages, stage_argv
 from tests.helpers import fraction_changed as _moved
 from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
@@ -159,10 +159,10 @@ def test_pipeline_grpo_stages_and_folders(tmp_path):
     with pytest.raises(UserError, match="separate runs"):
         parse_stages("sft,rm,grpo")
     names = parse_stages("sft,grpo")
-    sft = stage_argv("sft", tmp_path, "tiny", "", [], True, {}, names)
+    sft = stage_argv("sft", tmp_path, "tiny", "", [], demo_files(), {}, names)
     assert sft[sft.index("--output-dir") + 1] == str(tmp_path / GRPO_SFT_FOLDER)
     assert sft[sft.index("--data") + 1] == str(demo_files()["sums_sft"])
-    grpo = stage_argv("grpo", tmp_path, "tiny", "", [], True, {"grpo": ["--loss-type", "dapo"]}, names)
+    grpo = stage_argv("grpo", tmp_path, "tiny", "", [], demo_files(), {"grpo": ["--loss-type", "dapo"]}, names)
     assert grpo[grpo.index("--actor-model") + 1] == str(tmp_path / GRPO_SFT_FOLDER / "model")
     assert grpo[grpo.index("--data") + 1] == str(demo_files()["sums"])
     assert grpo[grpo.index("--output-dir") + 1] == str(tmp_path / "step3_grpo")
@@ -177,9 +177,9 @@ def test_pipeline_grpo_stages_and_folders(tmp_path):
 def test_the_grpo_demo_recipe_runs_under_every_sampling_algorithm(tmp_path, algo):
     """The critic-free estimators are compared on the GRPO demo with `--rl-args "--algo X"`: the recipe holds no
     flag that one of them refuses."""
-    from dschat.cli import stage_command
+    from dschat.cli.options import stage_command
 
-    argv = stage_argv("grpo", tmp_path, "tiny", "", [], True, {"grpo": ["--algo", algo]}, parse_stages("grpo"))
+    argv = stage_argv("grpo", tmp_path, "tiny", "", [], demo_files(), {"grpo": ["--algo", algo]}, parse_stages("grpo"))
     assert argv[:2] == ["--step", "3"]
     cmd = stage_command("step3", RLHFConfig, run=lambda cfg: cfg, help="")
     cfg = cmd.main(args=argv[2:], standalone_mode=False)  # parses, builds and refuses inert flags; runs nothing
@@ -241,7 +241,7 @@ def test_dapo_adds_the_soft_overlong_penalty_unless_told_not_to():
 def test_each_reward_source_gets_the_paired_standard_error_of_its_gain():
     from types import SimpleNamespace
 
-    from dschat.rlhf.evaluation import eval_scalars, source_summary
+    from dschat.evaluation.policy import eval_scalars, source_summary
 
     scorer = SimpleNamespace(mixer=SimpleNamespace(names=["format", "accuracy"], weights=[1.0, 1.0]))
     before = {"reward/format": 0.5, "reward/accuracy": 0.0,

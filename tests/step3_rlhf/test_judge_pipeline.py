@@ -10,10 +10,10 @@ import pytest
 from dschat.config import build_config
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.judge import JUDGE, parse_verdict
-from dschat.pipeline import FOLDERS, JUDGE_SFT_FOLDER, parse_stages, stage_argv, summarize
+from dschat.rewards.judge import JUDGE, parse_verdict
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.scoring import build_scorer
+from dschat.training.pipeline import FOLDERS, JUDGE_SFT_FOLDER, parse_stages, stage_argv, summarize
 from dschat.utils import write_json
 from tests.helpers import ROOT, read_json, read_jsonl
 from tests.helpers import run_stage as run
@@ -54,16 +54,16 @@ def test_pipeline_judge_stages_folders_and_demo_data(tmp_path):
     with pytest.raises(UserError, match="separate runs"):
         parse_stages("rm,judge")
     names = parse_stages("judge")
-    sft = stage_argv("sft", tmp_path, "tiny", "", [], True, {}, names)
+    sft = stage_argv("sft", tmp_path, "tiny", "", [], demo_files(), {}, names)
     assert sft[sft.index("--output-dir") + 1] == str(tmp_path / JUDGE_SFT_FOLDER)
     assert sft[sft.index("--data") + 1] == str(demo_files()["judge_sft"])
-    rl = stage_argv("judge", tmp_path, "tiny", "", [], True, {"judge": ["--max-steps", "3"]}, names)
+    rl = stage_argv("judge", tmp_path, "tiny", "", [], demo_files(), {"judge": ["--max-steps", "3"]}, names)
     assert rl[rl.index("--actor-model") + 1] == str(tmp_path / JUDGE_SFT_FOLDER / "model")
     assert rl[rl.index("--data") + 1] == str(demo_files()["judge"])
     assert rl[rl.index("--output-dir") + 1] == str(tmp_path / FOLDERS["judge"])
     assert rl[rl.index("--algo") + 1] == "grpo" and rl[rl.index("--reward-funcs") + 1] == "judge_match"
     assert rl[-2:] == ["--max-steps", "3"]
-    user = stage_argv("judge", tmp_path, "my-model", "", ["mine.jsonl"], False, {}, names)
+    user = stage_argv("judge", tmp_path, "my-model", "", ["mine.jsonl"], None, {}, names)
     assert user[user.index("--data") + 1] == "mine.jsonl" and "--reward-funcs" in user
     # the demo files: cold-start rows ending in the true winner's verdict, held-out rows of their own seed
     cold = read_jsonl(demo_files()["judge_sft"])

@@ -16,7 +16,7 @@ from dschat.data import load_phase
 from dschat.data.phases import pairs_of
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.models import load_tokenizer, resolve_model
+from dschat.models.loading import load_tokenizer, resolve_model
 from dschat.rlhf.config import RLHFConfig, check_config
 from dschat.rlhf.online_dpo import rollout_logps
 from dschat.rlhf.rollout import make_rollout

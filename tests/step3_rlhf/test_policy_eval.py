@@ -9,7 +9,7 @@ import pytest
 
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.rlhf.policy_eval import judge_win_metrics, ks_for, model_metrics, paired_metrics, pass_fail
+from dschat.evaluation.saved_policy import judge_win_metrics, ks_for, model_metrics, paired_metrics, pass_fail
 from dschat.stats import paired_se
 from tests.helpers import read_json, run_cli
 from tests.helpers import run_stage as run
@@ -94,7 +94,7 @@ def test_pass_fail_sources_and_the_ks_reported():
     (["--step", "2"], "dschat eval --step 2 needs --data"),
 ])
 def test_flags_that_do_nothing_are_refused_before_anything_loads(argv, message):
-    from dschat.eval_cmd import eval_command
+    from dschat.cli.eval import eval_command
 
     with pytest.raises(UserError, match=message):
         eval_command.main(["--model", "tiny", *argv], standalone_mode=False)

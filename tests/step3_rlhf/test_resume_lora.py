@@ -11,10 +11,10 @@ import torch
 
 from dschat.config import build_config
 from dschat.errors import UserError
-from dschat.models import resolve_model
+from dschat.models.loading import resolve_model
 from dschat.rlhf.config import RLHFConfig
 from dschat.rlhf.grpo import GRPO
-from dschat.stage import Interrupted
+from dschat.training.stage import Interrupted
 from tests.helpers import kill_when_state_saved, losses, read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run
 

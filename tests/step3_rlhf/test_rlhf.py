@@ -7,9 +7,9 @@ import torch
 
 from dschat import engine as E
 from dschat.config import EngineArgs, OptimArgs, build_config
-from dschat.generation import GenerationConfig
-from dschat.hybrid_engine import HybridEngine
-from dschat.models import create_causal_lm, load_tokenizer, resolve_model
+from dschat.generation.decode import GenerationConfig
+from dschat.generation.hybrid_engine import HybridEngine
+from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
 from dschat.rlhf.config import RLHFConfig
 from dschat.rlhf.rollout import answer_logprobs, make_rollout, positions_from_mask
 from tests.helpers import read_json, read_jsonl, run_cli
@@ -196,7 +196,7 @@ def test_ema_on_two_ranks_equals_the_gathered_average(tmp_path, stage):
     import subprocess
     import sys
 
-    from dschat.cli import launcher_argv
+    from dschat.cli.train import launcher_argv
     from tests.helpers import ROOT
 
     out = tmp_path / "ema.json"

@@ -1,0 +1,120 @@
+"""Click options generated from flag declarations (``dschat.config``): every option of ``dschat train --step N``,
+and the options ``dschat eval`` shares with the stages, so a flag's name, help, default, choices and range live
+in its dataclass field only; ``stage_command`` (a whole command from a config class: the stages', ``dschat
+generate``) and ``run_command`` (user errors as one line, exit code 2). Part of the CLI layer (it imports click);
+the library never imports it. Its own module, not ``dschat.cli.main``, so a command under ``dschat/`` can use it
+without an import cycle through the commands ``dschat.cli.main`` loads by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from dschat.config import FlagSpec, build_config, canonical_names, flag_specs, load_config_file, refuse_inert
+from dschat.errors import UserError
+
+
+def click_option(spec: FlagSpec) -> click.Option:
+    """The click option of one declared flag: ``--name`` and ``--name_with_underscores``, its aliases, and
+    ``--no-name`` for booleans."""
+    dash = spec.name.replace("_", "-")
+    help_text = spec.help
+    if spec.type is bool:
+        decls = [f"--{dash}/--no-{dash}"]
+        if dash != spec.name:
+            decls.append(f"--{spec.name}/--no_{spec.name}")
+        return click.Option(decls + [spec.name], default=spec.default, help=help_text, hidden=spec.hidden,
+                            show_default=True)
+    decls = [f"--{dash}"] + ([f"--{spec.name}"] if dash != spec.name else [])
+    decls += [d for a in spec.aliases for d in dict.fromkeys((f"--{a.replace('_', '-')}", f"--{a}"))]
+    if spec.type is list:
+        return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
+    ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type
+    return click.Option(decls + [spec.name], type=ptype, default=spec.default, help=help_text,
+                        hidden=spec.hidden, show_default=spec.default is not None and spec.default != "")
+
+
+class DeclaredFlagsCommand(click.Command):
+    """A click command that also takes the flags of a config class (a dataclass of pieces, as a stage config),
+    generated from their declarations when the command parses its arguments or shows its help, not when it is
+    defined: ``flags`` is a function returning the class, so a declaration whose module is slow to import
+    (stage 3's pieces import deepspeed) costs nothing to ``dschat --help``. The callback receives the flags by
+    name."""
+
+    def __init__(self, *args: Any, flags: Callable[[], type], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._flags: Callable[[], type] | None = flags
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if self._flags is not None:
+            self.params.extend(click_option(s) for s in flag_specs(self._flags()))
+            self._flags = None
+        return super().get_params(ctx)
+
+
+def stage_command(name: str, config: type | Callable[[], type], run: Callable[[Any], Any],
+                  help: str) -> click.Command:
+    """A click command whose options are the flags of a config class; ``--config FILE`` fills any of them.
+
+    Precedence: dataclass default < config file < command line. A flag given (in either) that has no effect in
+    the chosen mode stops the run before anything loads (``refuse_inert``); defaults never count as given.
+    ``config`` is the class, or a function returning it: then its module is imported when the command parses its
+    arguments or shows its own help (``DeclaredFlagsCommand``), not when ``dschat --help`` lists it
+    (``dschat generate``'s config imports stage 3, so torch and deepspeed).
+    """
+    config_of: Callable[[], type] = (lambda: config) if isinstance(config, type) else config
+    params: list[click.Parameter] = [
+        click.Option(["--config", "config_file"], type=click.Path(dir_okay=False),
+                     help="YAML or JSON file holding any of these flags (command line wins).")
+    ]
+
+    def callback(config_file: str | None, **kwargs: Any) -> Any:
+        config_cls = config_of()
+        ctx = click.get_current_context()
+        names = canonical_names(config_cls)
+        sections = {f.name for f in dataclasses.fields(config_cls)}
+        from_file = load_config_file(config_file, sections) if config_file else {}
+        values = {names.get(k, k): v for k, v in from_file.items()}
+        for key, value in kwargs.items():
+            if ctx.get_parameter_source(key) == ParameterSource.COMMANDLINE:
+                values[key] = list(value) if isinstance(value, tuple) else value
+        cfg = build_config(config_cls, values)
+        refuse_inert(cfg, set(values))  # before any data or model loads
+        result = run(cfg)
+        from dschat.engine import teardown_distributed  # the stage has imported it already
+
+        teardown_distributed()
+        return result
+
+    settings = {"max_content_width": 110}
+    if not isinstance(config, type):
+        return DeclaredFlagsCommand(name, params=params, callback=callback, help=help, context_settings=settings,
+                                    flags=config)
+    params += [click_option(s) for s in flag_specs(config)]
+    return click.Command(name, params=params, callback=callback, help=help, context_settings=settings)
+
+
+def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:
+    """Run a click command; user errors become one line on stderr and exit code 2, never a traceback."""
+    try:
+        cmd.main(args=argv, standalone_mode=False)
+    except UserError as e:
+        click.echo(f"dschat: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

@@ -1,0 +1,100 @@
+"""The hybrid engine: one object that flips the actor between training and fast generation (docs/algorithms.md, PPO).
+
+Two paths:
+
+* DeepSpeed's own hybrid engine (``--enable-hybrid-engine``), which swaps in CUDA inference kernels. It exists
+  only on CUDA for supported architectures; elsewhere dschat says so once and uses the fallback.
+* The fallback, correct everywhere: eval mode (no dropout) and a KV-cache decode loop (``dschat.generation.decode``:
+  dschat's own loop by default, or HF ``generate``) on the actor's module, with ZeRO-3 parameters gathered once
+  for the whole call (a per-token gather would cost a collective per layer per token), then back to training
+  mode.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend, make_backend
+
+
+def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
+    """Whether DeepSpeed's hybrid engine can run this actor here, and why not."""
+    if not torch.cuda.is_available():
+        return False, "DeepSpeed's hybrid engine needs CUDA inference kernels (none on CPU)"
+    supported = ("llama", "opt", "bloom", "gpt_neox", "gptj", "gpt2", "mistral", "qwen2")
+    kind = getattr(getattr(model, "config", None), "model_type", "")
+    if kind not in supported:
+        return False, f"DeepSpeed's hybrid engine has no kernels for model_type {kind!r}"
+    return True, ""
+
+
+class HybridEngine:
+    """Wraps the actor engine: ``generate`` in inference mode, training everywhere else."""
+
+    def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False,
+                 backend: str | Backend = "auto"):
+        self.actor = actor
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.use_deepspeed = use_deepspeed
+        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.last_generate_seconds = 0.0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return E.unwrap(self.actor)
+
+    @torch.no_grad()
+    def sample(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+               generator_seed: int | None = None) -> Generated:
+        """Sample answers for left-padded prompts ``(B, P)``: sequences ``(B, P + A)`` (A <= max_new_tokens) and,
+        with ``config.logprobs``, when the backend computes them and the actor runs in float32, each answer
+        token's log-prob. (In fp32 the KV-cache log-probs equal a full forward's to ~1e-6; in half precision they
+        are left to the forward.)"""
+        t0 = time.time()
+        module = self.module
+        was_training = module.training
+        rng = None
+        if generator_seed is not None:  # reproducible sampling (evaluation) without disturbing training's RNG
+            rng = torch.random.get_rng_state()
+            torch.manual_seed(generator_seed)
+        try:
+            if self.use_deepspeed:
+                self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
+                out = HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
+                                           self.pad_token_id)
+            else:
+                module.eval()
+                with E.gathered_parameters(module):
+                    out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
+                                                self.pad_token_id)
+        finally:
+            if rng is not None:
+                torch.random.set_rng_state(rng)
+            if was_training:
+                (self.actor if self.use_deepspeed else module).train()
+        if out.logprobs is not None and next(module.parameters()).dtype != torch.float32:
+            out.logprobs = None
+        self.last_generate_seconds = time.time() - t0
+        return out
+
+    def generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+                 generator_seed: int | None = None) -> torch.Tensor:
+        """The sequences of ``sample``."""
+        return self.sample(prompt, prompt_mask, config, generator_seed).sequences
+
+
+def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str = "auto") -> HybridEngine:
+    use = False
+    if requested:
+        ok, why = deepspeed_hybrid_supported(E.unwrap(actor))
+        use = ok and E.is_hybrid_engine(actor)
+        if not use and E.is_main():
+            print(f"[hybrid engine] {why or 'actor engine was not built as a hybrid engine'}; "
+                  "using eval-mode KV-cache generation with one ZeRO-3 gather per call", file=sys.stderr)
+    return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use, backend=backend)

@@ -1,0 +1,213 @@
+"""One run per output folder, and an output folder every rank really shares (docs/operations.md, Locks).
+
+Rank 0 holds an exclusive ``flock`` on ``<output_dir>/.dschat.lock`` for the life of the process and writes its
+pid, host, start time and a random nonce into it. The kernel drops the lock when the process dies, however it
+dies, so a lock left by a killed run is stale by construction: the next run takes it and says whose it was.
+Where the filesystem has no locks (some network mounts) the file itself is the lock: a holder that is no longer
+alive on this host is taken over, one on another host is reported.
+
+Every other rank reads the nonce back from its own view of the output folder. A node whose folder is not the
+shared one (node-local disks, or a different ``--output-dir`` per node) sees no nonce or another one, and all
+ranks stop at once with one line: checkpoints, ``latest`` and the saved models would otherwise be split between
+nodes that disagree about what exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dschat.errors import UserError
+
+LOCK_NAME = ".dschat.lock"
+_HELD: dict[str, tuple[int, dict[str, Any]]] = {}  # resolved folder -> (fd, our info); re-entrant per process
+
+
+def _proc_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a live holder from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(info: dict[str, Any]) -> bool:
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = info.get("proc_start")
+    now = _proc_start(pid)
+    return start is None or now is None or start == now
+
+
+def _read_info(path: Path, tries: int = 20) -> dict[str, Any]:
+    """The holder's note; it may be a moment away (the holder writes it just after locking)."""
+    for _ in range(tries):
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(info, dict):
+                return info
+        time.sleep(0.1)
+    return {}
+
+
+def describe(info: dict[str, Any]) -> str:
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}")
+
+
+def _in_use(folder: Path, info: dict[str, Any]) -> UserError:
+    return UserError(f"{folder} is in use by another run ({describe(info)}); wait for it to finish or choose "
+                     "another --output-dir")
+
+
+def _note() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "nonce": secrets.token_hex(16),
+            "command": " ".join(sys.argv)[:500]}
+
+
+def _write_note(fd: int, note: dict[str, Any]) -> None:
+    data = (json.dumps(note) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def acquire(folder: str | Path, log: Any = None) -> dict[str, Any]:
+    """Lock ``folder`` (which must exist) for this process; return our note (with its ``nonce``). Raises a one-line
+    ``UserError`` naming the holder when another live run has it. Calling it again in the same process is a no-op."""
+    folder = Path(folder)
+    key = str(folder.resolve())
+    if key in _HELD:
+        return _HELD[key][1]
+    path = folder / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"--output-dir {folder}: cannot create {LOCK_NAME} there ({e.strerror})") from None
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise _in_use(folder, _read_info(path)) from None
+    except OSError as e:  # no locks on this filesystem: the note is the lock
+        os.close(fd)
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            raise
+        return _acquire_by_note(folder, key, log)
+    previous = _read_info(path, tries=1)
+    note = _note()
+    _write_note(fd, note)
+    _HELD[key] = (fd, note)
+    if previous.get("pid") not in (None, os.getpid()) and log is not None:
+        log(f"took over the lock of a run that is gone ({describe(previous)})")
+    return note
+
+
+def _acquire_by_note(folder: Path, key: str, log: Any) -> dict[str, Any]:
+    path = folder / LOCK_NAME
+    previous = _read_info(path, tries=1)
+    if previous.get("pid") is not None and previous.get("pid") != os.getpid():
+        if previous.get("host") != socket.gethostname():
+            raise UserError(f"{folder} is in use by another run ({describe(previous)}), as far as this filesystem "
+                            f"(no locks) can tell; if that run is gone, delete {path}")
+        if _alive(previous):
+            raise _in_use(folder, previous)
+        if log is not None:
+            log(f"took over the lock of a run that is gone ({describe(previous)})")
+    note = _note()
+    tmp = folder / f"{LOCK_NAME}.{note['nonce']}"
+    tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    time.sleep(0.2)  # two takers at once: the last rename wins, the other sees a foreign nonce and stops
+    if _read_info(path, tries=1).get("nonce") != note["nonce"]:
+        raise _in_use(folder, _read_info(path))
+    _HELD[key] = (-1, note)
+    return note
+
+
+def release(folder: str | Path) -> None:
+    """Give the lock up before the process ends (the kernel does it at exit anyway)."""
+    fd, _ = _HELD.pop(str(Path(folder).resolve()), (-1, {}))
+    if fd >= 0:
+        os.close(fd)
+
+
+def prepare_output_dir(folder: Path) -> None:
+    """Create the output folder, or stop with one line when it is a file or cannot be written."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--output-dir {folder}: is a file, not a folder; choose another --output-dir")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--output-dir {folder}: a part of the path is a file, not a folder") from None
+    except OSError as e:
+        raise UserError(f"--output-dir {folder}: cannot create it ({e.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--output-dir {folder}: not writable by this user")
+    probe = folder / f".dschat-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        from dschat.diskfull import disk_full_error, is_disk_full
+
+        if is_disk_full(e):
+            raise disk_full_error("a test file", probe) from None
+        raise UserError(f"--output-dir {folder}: cannot write there ({e.strerror})") from None
+
+
+def sees_nonce(folder: Path, nonce: str, wait: float = 3.0) -> bool:
+    """Whether this rank's view of ``folder`` shows the lock note rank 0 just wrote (a network filesystem may
+    show the previous note for a moment, so it is read again until ``wait`` seconds have passed)."""
+    deadline = time.time() + wait
+    while True:
+        if _read_info(folder / LOCK_NAME, tries=1).get("nonce") == nonce:
+            return True
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def claim_output_dir(folder: Path, log: Any = None) -> None:
+    """Collective, at the start of a run: rank 0 creates and locks ``folder``; every rank checks that it sees the
+    same folder. Any problem stops every rank with the same line."""
+    from dschat import engine as E
+
+    problem, nonce = None, None
+    if E.is_main():
+        try:
+            prepare_output_dir(folder)
+            nonce = acquire(folder, log)["nonce"]
+        except UserError as e:
+            problem = str(e)
+    problem, nonce = E.broadcast_object((problem, nonce))
+    if problem:
+        raise UserError(problem)
+    if E.world_size() == 1:
+        return
+    ok = E.is_main() or sees_nonce(folder, nonce)
+    views = E.gather_objects((ok, E.rank(), socket.gethostname()))
+    blind = [v for v in views if not v[0]]
+    if blind:
+        _, rank, host = blind[0]
+        raise UserError(f"--output-dir {folder} is not one folder shared by every node: rank {rank} on {host} does "
+                        "not see what rank 0 wrote there; give every node the same --output-dir on a shared "
+                        "filesystem (checkpoints and 'latest' must be seen by all ranks)")
