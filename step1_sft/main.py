@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 step1_sft/main.py --model chinese-llama-2-7b --zero-stage 3 ...
     dschat train --step 1 ...        (the same flags)
 
-    dschat train --step 1 --model tiny --teacher-model out/big/model --kd-coef 0.5     (distillation, SPEC 7)
+    dschat train --step 1 --model tiny --teacher-model out/big/model --kd-coef 0.5     (distillation)
 
 Reads top to bottom: what one micro-batch does (cross-entropy, mixed with the KL to a teacher under
 ``--teacher-model``: ``dschat.training.distill``) and how the model is evaluated (the answer tokens' perplexity,
@@ -80,7 +80,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     return metrics
 
 
-command = stage_command("step1_sft", SFTConfig, run, help="Stage 1: supervised fine-tuning (SPEC section 2, 8).")
+command = stage_command("step1_sft", SFTConfig, run, help="Stage 1: supervised fine-tuning.")
 
 if __name__ == "__main__":
     run_command(command)

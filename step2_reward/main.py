@@ -97,7 +97,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
 
 command = stage_command("step2_reward", RewardConfig, run,
-                        help="Stage 2: reward model on chosen/rejected pairs (SPEC sections 2, 3, 4, 8).")
+                        help="Stage 2: reward model on chosen/rejected pairs.")
 
 if __name__ == "__main__":
     run_command(command)

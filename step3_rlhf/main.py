@@ -139,7 +139,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
 
 command = stage_command("step3_rlhf", RLHFConfig, run,
-                        help="Stage 3: RLHF with PPO (SPEC section 5), the GRPO family (--algo grpo, SPEC 6), ...")
+                        help="Stage 3: RLHF with PPO, the GRPO family (--algo grpo), DPO and more (--algo).")
 
 if __name__ == "__main__":
     run_command(command)

@@ -20,7 +20,7 @@ from dschat.cli.options import stage_command
 HELP = ("Sample N answers per prompt from a saved model, score them (--reward-model, --reward-funcs, --judge-model) "
         "and write JSON Lines: every sample (--keep all), the best as SFT rows (--keep best: rejection sampling, "
         "best-of-n, distillation from a teacher) or best/worst as pairwise rows (--keep pairs: DPO). Resumable: "
-        "run it again to continue (SPEC 7).")
+        "run it again to continue.")
 
 
 def _config() -> type:

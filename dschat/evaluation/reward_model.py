@@ -4,10 +4,10 @@ A reward model here is anything whose forward maps ``(input_ids, attention_mask)
 per-token values ``(N, T)``: a ``dschat.models.reward_model.RewardModel`` or a DeepSpeed engine wrapping one.
 Batches come from ``DataCollatorReward``: B chosen rows, then B rejected rows, right-padded.
 
-Metrics (SPEC 4): pairwise accuracy (chosen > rejected, ties count half), mean chosen and rejected end scores,
-mean margin, plus the mean and standard deviation of all end scores (chosen and rejected together), which
-stage 3 uses to normalise rewards. Every metric is a ratio of sums, all-reduced over ranks, so evaluating
-disjoint shards on N ranks gives exactly the single-process numbers.
+Metrics (docs/algorithms.md, Reward-model loss): pairwise accuracy (chosen > rejected, ties count half), mean
+chosen and rejected end scores, mean margin, plus the mean and standard deviation of all end scores (chosen and
+rejected together), which stage 3 uses to normalise rewards. Every metric is a ratio of sums, all-reduced over
+ranks, so evaluating disjoint shards on N ranks gives exactly the single-process numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dschat.training.stage import EvalLoader, lockstep_batches, to_device
 
 @dataclass
 class RewardEval:
-    """Reward-model metrics over an evaluation set (SPEC 4)."""
+    """Reward-model metrics over an evaluation set."""
 
     accuracy: float  # fraction of pairs with score_c > score_x, ties count half
     chosen_score: float  # mean end score of the chosen answers

@@ -1,9 +1,10 @@
 """``dschat generate``: N sampled answers per prompt from any saved model, optionally scored, written as JSON Lines
-in dschat's own row formats (SPEC 2 and 7), so the output trains a stage as it is:
+in dschat's own row formats (docs/data.md, Row formats), so the output trains a stage as it is:
 
 - ``--keep all``: every sample as an SFT row (``prompt``, ``response``) with its ``score``;
 - ``--keep best``: the best-scoring sample per prompt as an SFT row: rejection sampling / best-of-n, and
-  sequence-level distillation (``sft`` in SPEC 7: generate from the teacher, train the student on it in stage 1);
+  sequence-level distillation (docs/algorithms.md, Distillation: generate from the teacher, train the student on
+  it in stage 1);
 - ``--keep pairs``: the best as ``chosen`` and the worst as ``rejected`` of a pairwise row (DPO, a reward model);
   a prompt whose samples all score the same gives no pair (counted as ``ties``).
 
@@ -148,7 +149,7 @@ def best_and_worst(samples: Sequence[Sample]) -> tuple[int, int] | None:
 
 def prompt_rows(prompt: Any, answer: str | None, samples: Sequence[Sample], keep: str,
                 counts: Counter[str], prompt_index: int, min_score: float | None = None) -> list[dict[str, Any]]:
-    """The output rows of one prompt under ``--keep`` (SPEC 2 formats), counting what was skipped and why:
+    """The output rows of one prompt under ``--keep`` (docs/data.md, Row formats), counting what was skipped and why:
     ``skipped_empty`` (best: no sample has text; pairs: fewer than two have), ``below_min_score`` (best: the best
     scores under ``min_score``), ``ties`` (pairs: best and worst score the same), ``identical`` (pairs: best and
     worst are the same text)."""

@@ -3,8 +3,9 @@
 A judge reads a user message holding a question and two answers between markers, reasons, and ends with
 ``<answer>[[A]]</answer>`` or ``<answer>[[B]]</answer>``. This module is what every consumer of a judge shares:
 
-- ``parse_verdict``: the verdict of a completion by the rule ``judge_match`` trains with (SPEC 6: only the last
-  80 characters count, one label present and the other absent), so evaluation scores what training rewarded;
+- ``parse_verdict``: the verdict of a completion by the rule ``judge_match`` trains with (docs/algorithms.md, Rule
+  rewards: only the last 80 characters count, one label present and the other absent), so evaluation scores what
+  training rewarded;
 - ``swap_answers`` / ``balance_rows``: exchange answers A and B inside a user message (two marker styles), used
   to balance a judge file's winners (a judge trained on a skewed file learns the position, not the answer);
 - ``generate_completions`` / ``judge_prompts``: left-padded batched generation with k samples per prompt and a
@@ -39,7 +40,7 @@ from dschat.prompts import (
 from dschat.utils import progress_bar
 
 JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
-TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the completion only (SPEC 6)
+TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the completion only
 VERDICTS = {"A": "<answer>[[A]]</answer>", "B": "<answer>[[B]]</answer>"}
 WINNER_OF = {"A": "model_a", "B": "model_b"}
 LETTER_OF = {"model_a": "A", "model_b": "B"}

@@ -1,13 +1,13 @@
 """Stage 3 as a library: ``step3_rlhf/main.py`` assembles these parts into the loop.
 
     config.py       the flags (per-model pieces, RL pieces) and the checks made before anything loads
-    algorithms.py   --algo NAME -> its class (ppo.py, grpo.py, dpo.py): one file, one ``step()`` each
-    engines.py      the model/engine set: actor, reference, critic, reward (what the algorithm needs)
+    algorithms.py   --algo NAME -> its class (ppo.py, grpo.py, dpo.py, ...): one file, one ``step()`` each
+    engines.py      the model/engine set: actor, reference, critic, reward (what the algorithm needs); the frozen
+                    set of a saved policy (``dschat generate``, ``dschat eval --step 3``)
     rollout.py      generation -> Rollout (sequences, masks), log-probs and values of the answer tokens
     scoring.py      reward sources -> scores (reward model, rules, judge, user functions)
-    evaluation.py   held-out reward / KL / length before and after; eval.json's before/after part
     ema.py          the actor's exponential moving average
     onpolicy.py     the defaults PPO and the GRPO family share (prompts in, evaluation by sampling)
 
-Imports go one way: config -> algorithms -> ppo/grpo/dpo -> evaluation -> (ema, rollout, scoring) -> dschat core.
+The held-out evaluation before and after training is ``dschat.evaluation.policy``.
 """

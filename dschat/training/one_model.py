@@ -36,7 +36,7 @@ from dschat.training.tracking import RunTracker
 @dataclass
 class OneModelStage:
     name: str  # e.g. step1_sft: log prefix and default output folder (output/<name>)
-    phase: int  # the data's train phase (SPEC 2)
+    phase: int  # the data's train phase (docs/data.md, Train phases)
     collator: Callable[[int], Any]  # pad token id -> batch collator
     make_model: Callable[[str, torch.dtype, Any], torch.nn.Module]  # (path, dtype, tokenizer) -> module
     micro_step: Callable[[Any, dict[str, Any]], dict[str, float]]  # forward, backward, step; the batch's stats

@@ -55,11 +55,10 @@ DEMO_ARGS = {
 }
 # `dschat pipeline dpo` on the demo: the phase-3 pairs of the PPO demo's data (offline DPO trains on them, online DPO
 # on their prompts), 256 of them held out for the implicit-reward accuracy and the reward-model score of sampled
-# answers before and after, 8 answers per held-out prompt (--eval-samples): one answer per prompt leaves a standard
-# error of ~0.17 on a gain of ~0.3, 8 answers ~0.07. Beta 0.5 for both, and RPO's chosen-answer NLL (weight 1) for
-# offline DPO, 200 updates (~3 epochs of the 1,024 training pairs; 100 gained 0.244 ± 0.070 against 0.308 ± 0.066):
-# at beta 0.1 offline DPO drifted to KL 11 from the SFT policy and its answers scored lower (3.345 -> 3.145), online
-# DPO to KL 15 (RM reward up 0.88 ± 0.17, its implicit reward reversed on the offline pairs); measured in README.
+# answers before and after, 8 answers per held-out prompt (--eval-samples: one answer per prompt leaves a standard
+# error as large as the gain). Beta 0.5 for both, and RPO's chosen-answer NLL (weight 1) for offline DPO, 200 updates
+# (about 3 epochs of the 1,024 training pairs): at beta 0.1 both drifted far from the SFT policy and offline DPO's
+# answers scored lower (the recipes compared: docs/algorithms.md, Demo results).
 DPO_DEMO_ARGS = {
     "dpo": ["--max-steps", "200", "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
             "--max-answer-seq-len", "64", "--eval-fraction", "0.2", "--max-eval-rows", "256", "--eval-samples", "8",
@@ -70,12 +69,11 @@ DPO_DEMO_ARGS = {
 }
 # `dschat pipeline grpo` on the demo: a task the 1.4M-parameter model can learn, small sums ("I ordered X x3 and Y x5.
 # How many items is that?", addends 1..5). One epoch of SFT on worked solutions of other such prompts (demo file
-# sums_sft) leaves the <think>..</think><answer>..</answer> format in ~44% of samples and the right sum in ~14%
-# (greedy: ~80%), then GRPO with the format and accuracy rules on the demo's sums prompts raises both on 200
-# held-out prompts, each by many paired standard errors (grpo: format 0.435 -> 0.870, accuracy 0.135 -> 0.295,
-# gain 0.160 ± 0.035; every --loss-type 4-6 s.e.), in minutes on a 2-core CPU. (The earlier word problems, demo
-# file prompts, are beyond the tiny model: it learnt their format and its accuracy stayed 0.) The recipe holds no
-# flag of one algorithm, so the critic-free estimators run it as it is: --rl-args "--algo rloo".
+# sums_sft) leaves the <think>..</think><answer>..</answer> format in some samples and the right sum in few, then
+# GRPO with the format and accuracy rules on the demo's sums prompts raises both on 200 held-out prompts, each by
+# many paired standard errors, in minutes on a 2-core CPU (docs/algorithms.md, Demo results). (Word problems, demo
+# file prompts, are beyond the tiny model: it learns their format, not their answers.) The recipe holds no flag of
+# one algorithm, so the critic-free estimators run it as it is: --rl-args "--algo rloo".
 GRPO_DEMO_ARGS = {
     "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
     "grpo": ["--algo", "grpo", "--reward-funcs", "format", "--reward-funcs", "accuracy", "--data-split", "0,0,1",
@@ -87,10 +85,10 @@ GRPO_DEMO_ARGS = {
 # `dschat pipeline judge` on the demo (RM-R1's recipe, scaled down): one SFT epoch on 1000 cold-start judge
 # completions ending in the true verdict (demo file judge_sft; RM-R1's distillation step), then GRPO with the
 # judge_match reward and the format rule, weighted 1 and 1, on 900 other judge rows; both judges are evaluated
-# greedily on 300 held-out rows (judge_eval). With judge_match alone GRPO wore the reasoning down (well-formed
-# completions 0.98 -> 0.20, accuracy 0.98); with format weighed in: well-formed 0.98 -> 1.00, accuracy 0.86 -> 0.96.
-# (A cold start with random verdicts teaches the format alone; GRPO from that chance-level judge only swung between
-# always-A and always-B in 40 steps, so the demo distils first, as RM-R1 does.)
+# greedily on 300 held-out rows (judge_eval). With judge_match alone GRPO wore the reasoning down (it rewards only
+# the verdict), so the format rule is weighed in (docs/judge.md). (A cold start with random verdicts teaches the
+# format alone, and GRPO from that chance-level judge only swings between always-A and always-B, so the demo distils
+# first, as RM-R1 does.)
 JUDGE_DEMO_ARGS = {
     "sft": ["--data-split", "1,0,0", "--num-train-epochs", "1", "--per-device-train-batch-size", "8",
             "--max-seq-len", "320"],

@@ -16,7 +16,7 @@ from dschat.models.reward_model import RewardModel
 def reward_loss(values: torch.Tensor, batch: dict[str, torch.Tensor], rm_loss: str = "pairwise",
                 center_coef: float = 0.0) -> PairwiseLossOutput:
     """The stage-2 loss of one ``DataCollatorReward`` batch from the per-token values ``(2B, T)``: 'pairwise'
-    (SPEC 4, divergence-truncated) or 'last-token' (end scores, minus each row's optional 'margin')."""
+    (divergence-truncated) or 'last-token' (end scores, minus each row's optional 'margin')."""
     chosen, rejected = split_pairs(batch)
     b = chosen["input_ids"].size(0)
     if rm_loss == "last-token":

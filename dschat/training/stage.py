@@ -314,7 +314,7 @@ class Interrupted(UserError):
 def sigint_unless_exiting(signum: int, frame: Any) -> None:
     """Python's own Ctrl-C (``KeyboardInterrupt``), except while the interpreter joins threads on its way out:
     a Ctrl-C there (say a second one after an interrupted run, waiting for the TensorBoard writer's thread)
-    would only print a stray ``Exception ignored in threading._shutdown`` traceback (issue 11)."""
+    would only print a stray ``Exception ignored in threading._shutdown`` traceback."""
     import threading
 
     if not threading.main_thread().is_alive():  # false only once the interpreter has begun shutting down
