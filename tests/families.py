@@ -15,6 +15,12 @@ checkpoints ship, because that is what the pipeline has to cope with:
 - gemma2: sentencepiece-style BPE; ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, ``<unk>`` 3; turn template.
 
 Models: hidden 64, 2 layers, 4 heads (the ``tiny`` preset keeps its own config).
+
+``NAME-tight`` (``TIGHT_FAMILIES``): the same family saved as models are after
+``resize_token_embeddings(len(tokenizer))``, or trained small with their own tokenizer: exactly as many embedding
+rows as tokens, the tokenizer padding with its EOS, no ``<unk>`` and no pad or reserved special token, so dschat
+must add a ``<|pad|>`` past the embedding's rows. (The sentencepiece ``tiny`` preset always has an ``<unk>``, which
+dschat pads with, so it has no such variant.)
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama_sp", "qwen2", "gpt2", "opt", "llama3", "mistral", "gemma2")
+TIGHT_FAMILIES = ("qwen2", "gpt2", "opt", "llama3", "mistral", "gemma2")
 
 QWEN_TEMPLATE = (
     "{%- for message in messages %}"
@@ -124,8 +131,25 @@ def _with_bos(tok: Any, bos: str) -> None:
                                                        special_tokens=[(bos, bos_id)])
 
 
-def _tokenizer(family: str) -> tuple[Any, dict[str, Any]]:
+def _tight(tok: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A ``-tight`` variant's tokenizer: pad = EOS, no declared unk (the BPE model may keep its own)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "unk_token"}
+    return tok, {**kwargs, "pad_token": kwargs["eos_token"]}
+
+
+def _spare_free(specials: list[str], tight: bool) -> list[str]:
+    """Special tokens without the pad and reserved ones dschat would pad with, for a ``-tight`` variant."""
+    return [t for t in specials if not tight or not ("pad" in t or "reserved" in t)]
+
+
+def _tokenizer(family: str, tight: bool = False) -> tuple[Any, dict[str, Any]]:
     """``(tokenizers.Tokenizer, PreTrainedTokenizerFast keyword arguments)`` for ``family``."""
+    if tight:
+        return _tight(*_tokenizer_specials(family, True))
+    return _tokenizer_specials(family, False)
+
+
+def _tokenizer_specials(family: str, tight: bool) -> tuple[Any, dict[str, Any]]:
     if family == "qwen2":
         tok = _bpe("bytelevel", [], ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], 400)
         return tok, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE}
@@ -133,14 +157,14 @@ def _tokenizer(family: str) -> tuple[Any, dict[str, Any]]:
         tok = _bpe("bytelevel", [], ["<|endoftext|>"], 400)
         return tok, {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
     if family == "opt":
-        tok = _bpe("bytelevel", ["<s>", "<pad>", "</s>", "<unk>"], [], 400)
+        tok = _bpe("bytelevel", _spare_free(["<s>", "<pad>", "</s>", "<unk>"], tight), [], 400)
         _with_bos(tok, "</s>")
         return tok, {"bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
     if family == "llama3":
         specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                     "<|reserved_special_token_1|>", "<|start_header_id|>", "<|end_header_id|>",
                     "<|reserved_special_token_2|>", "<|eot_id|>"]
-        tok = _bpe("bytelevel", [], specials, 400)
+        tok = _bpe("bytelevel", [], _spare_free(specials, tight), 400)
         _with_bos(tok, "<|begin_of_text|>")
         return tok, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
                      "chat_template": LLAMA3_TEMPLATE}
@@ -149,14 +173,25 @@ def _tokenizer(family: str) -> tuple[Any, dict[str, Any]]:
         _with_bos(tok, "<s>")
         return tok, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": MISTRAL_TEMPLATE}
     if family == "gemma2":
-        tok = _bpe("metaspace", ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], [], 400)
+        front = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        tok = _bpe("metaspace", _spare_free(front, tight), [], 400)
         _with_bos(tok, "<bos>")
         return tok, {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
                      "chat_template": GEMMA_TEMPLATE}
     raise ValueError(family)
 
 
-def _config(family: str, tok: Any) -> Any:
+def _config(family: str, tok: Any, tight: bool = False) -> Any:
+    config = _family_config(family, tok)
+    if tight:  # exactly the tokenizer's rows; the model pads with EOS, as its tokenizer does
+        config.vocab_size = len(tok)
+        eos = tok.convert_tokens_to_ids(tok.eos_token)
+        bos = tok.convert_tokens_to_ids(tok.bos_token) if tok.bos_token else eos
+        config.pad_token_id, config.eos_token_id, config.bos_token_id = eos, eos, bos
+    return config
+
+
+def _family_config(family: str, tok: Any) -> Any:
     import transformers as T
 
     ids = {k: tok.convert_tokens_to_ids(getattr(tok, k.replace("_id", ""))) if getattr(tok, k.replace("_id", ""))
@@ -187,7 +222,8 @@ def _config(family: str, tok: Any) -> Any:
 
 
 def build_family(family: str, folder: str | Path) -> Path:
-    """A causal-LM folder of ``family`` under ``folder`` (the ``tiny`` preset for ``llama_sp``)."""
+    """A causal-LM folder of ``family`` (or ``family-tight``) under ``folder`` (the ``tiny`` preset for
+    ``llama_sp``)."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -198,9 +234,11 @@ def build_family(family: str, folder: str | Path) -> Path:
     out = Path(folder) / family
     if (out / "config.json").exists():
         return out
-    raw, kwargs = _tokenizer(family)
+    name, _, variant = family.partition("-")
+    tight = variant == "tight"
+    raw, kwargs = _tokenizer(name, tight)
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, model_max_length=256, **kwargs)
-    config = _config(family, tok)
+    config = _config(name, tok, tight)
     rng = torch.random.get_rng_state()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)

@@ -1,7 +1,7 @@
 """The model families users bring, end to end (docs/models.md, Aliases and families): for each tiny family of
 ``tests/families.py``, stage 1, stage 2 (its saved folder scores as HF's ``AutoModelForSequenceClassification``
 does, and ``dschat eval --step 2`` reports what HF's scores give), PPO and GRPO for a step, ``dschat chat`` and
-``dschat export``.
+``dschat export``; each family also as its ``-tight`` variant, without spare embedding rows (``tests/families.py``).
 
 Commands run in-process through the ``dschat`` entry point (as a user types them), a few rows and one or two
 steps each; one module-scoped run per family serves all its checks. ``llama_sp-bf16`` runs every stage, eval,
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.families import FAMILIES, build_family, pairwise_rows, write_rows
+from tests.families import FAMILIES, TIGHT_FAMILIES, build_family, pairwise_rows, write_rows
 from tests.helpers import read_json
 
 pytestmark = pytest.mark.slow
@@ -73,15 +73,17 @@ def dschat_scores(model_dir: Path, rows: list[list[int]]) -> torch.Tensor:
         return rm.end_scores(rm(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])[:n]
 
 
-@pytest.fixture(scope="module", params=[*FAMILIES, "llama_sp-bf16"])
+@pytest.fixture(scope="module", params=[*FAMILIES, "llama_sp-bf16", *(f"{f}-tight" for f in TIGHT_FAMILIES)])
 def family(request, tmp_path_factory):
-    """Stages 1 and 2 of one family, with their folders and the pairs file."""
-    name, _, dtype = request.param.partition("-")
+    """Stages 1 and 2 of one family (``-bf16``: in bf16; ``-tight``: without spare embedding rows), with their
+    folders and the pairs file."""
+    name, _, variant = request.param.partition("-")
+    dtype = "bf16" if variant == "bf16" else "fp32"
     root = tmp_path_factory.mktemp(request.param)
-    base = build_family(name, root)
+    base = build_family(request.param if variant == "tight" else name, root)
     data = write_rows(root / "pairs.jsonl", pairwise_rows(48))
-    flags = [*COMMON, "--dtype", dtype or "fp32"]
-    run = {"name": name, "base": base, "data": data, "root": root, "dtype": dtype or "fp32", "flags": flags}
+    flags = [*COMMON, "--dtype", dtype]
+    run = {"name": name, "base": base, "data": data, "root": root, "dtype": dtype, "flags": flags}
     d = ["--data", str(data)]
     dschat("train", "--step", "1", "--model", str(base), *d, "--output-dir", str(root / "s1"), "--max-steps", "2",
            "--per-device-train-batch-size", "4", "--no-save-final-state", *flags)

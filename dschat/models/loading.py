@@ -275,6 +275,29 @@ def fit_embeddings(model: Any, n_tokens: int) -> None:
                 layer.weight[old:] = layer.weight[:old].mean(0)
 
 
+def _pad_now(config: Any, pad: int | None) -> int | None:
+    """Name ``pad`` in ``config`` before the model is built, where the embedding already has its row; return it
+    when it does not (a new ``<|pad|>`` past the rows of a model saved with exactly its tokenizer's vocabulary,
+    e.g. after ``resize_token_embeddings(len(tokenizer))``), to be named once ``fit_embeddings`` has grown the
+    embedding: families build ``nn.Embedding(vocab, h, padding_idx=config.pad_token_id)``, which refuses an id past
+    its rows. Until then the config keeps its own pad, or none if that is out of range too."""
+    if pad is None:
+        return None
+    rows = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+    if isinstance(rows, int) and pad >= rows:
+        own = getattr(config, "pad_token_id", None)
+        if isinstance(own, int) and own >= rows:
+            config.pad_token_id = None
+        return pad
+    config.pad_token_id = pad
+    return None
+
+
+def _pad_after_growth(model: Any, pad: int | None) -> None:
+    if pad is not None:
+        model.config.pad_token_id = pad
+
+
 @contextlib.contextmanager
 def _refuse_pickles(path: str) -> Iterator[None]:
     """A ``pytorch_model.bin`` holding anything but tensors is refused (``weights_only``), as one clear line."""
@@ -342,14 +365,14 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         _apply_dropout(config, dropout)
         n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
-        if pad is not None:
-            config.pad_token_id = pad  # the saved config names the pad the saved tokenizer pads with
+        late = _pad_now(config, pad)  # the saved config names the pad the saved tokenizer pads with
         with _refuse_pickles(path):
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, weights_only=True,
                                                          trust_remote_code=trust_remote_code)
     except _load_errors() as e:
         raise load_failure(path, e) from None
     fit_embeddings(model, n_tokens)
+    _pad_after_growth(model, late)
     if lora is not None and lora.lora_dim:
         apply_lora(model, lora)
     if gradient_checkpointing:
@@ -377,10 +400,9 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     n_tokens, pad = _tokenizer_facts(path, trust_remote_code)
     if pad_token_id is None:
         pad_token_id = pad
-    if pad_token_id is not None:
-        # HF's pooling takes the last token != this id: with a pad distinct from EOS that is the EOS, where
-        # dschat's end score is (``ensure_distinct_pad``), so the saved folder scores as dschat does.
-        config.pad_token_id = pad_token_id
+    # HF's pooling takes the last token != this id: with a pad distinct from EOS that is the EOS, where dschat's end
+    # score is (``ensure_distinct_pad``), so the saved folder scores as dschat does.
+    late = _pad_now(config, pad_token_id)
     try:
         with _refuse_pickles(path):
             seq_cls = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
@@ -394,6 +416,7 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     except _load_errors() as e:
         raise load_failure(path, e) from None
     fit_embeddings(seq_cls, n_tokens)
+    _pad_after_growth(seq_cls, late)
     model = RewardModel(seq_cls)
     if lora is not None and lora.lora_dim:
         apply_lora(model, lora)

@@ -15,7 +15,7 @@ from dschat.config import DataArgs
 from dschat.data import DataCollatorReward, load_phase
 from dschat.errors import UserError
 from dschat.models.loading import PAD_TOKEN, create_causal_lm, create_reward_model, load_tokenizer
-from tests.families import FAMILIES, build_family, pairwise_rows, write_rows
+from tests.families import FAMILIES, TIGHT_FAMILIES, build_family, pairwise_rows, write_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +30,27 @@ def families(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     data = write_rows(root / "pairs.jsonl", pairwise_rows(12))
     return {name: build_family(name, root) for name in FAMILIES}, data
+
+
+@pytest.mark.parametrize("name", TIGHT_FAMILIES)
+def test_models_without_spare_embedding_rows_get_a_new_pad_row(name, tmp_path):
+    """A model with exactly as many embedding rows as tokens, whose tokenizer pads with EOS and has no unk, pad or
+    reserved token: dschat adds ``<|pad|>`` past the rows. Both builders (every stage, eval, generate, chat, judge
+    and export load through them) grow the embedding by that row and name the pad in the config only once the row
+    exists; before, families whose embedding takes ``padding_idx`` from the config crashed while loading."""
+    path = str(build_family(f"{name}-tight", tmp_path))
+    tok = load_tokenizer(path)
+    assert tok.pad_token == PAD_TOKEN and tok.pad_token_id == len(tok) - 1 != tok.eos_token_id
+    ids = torch.tensor([[5, 6, 7, tok.eos_token_id], [8, 9, tok.eos_token_id, tok.pad_token_id]])
+    mask = (ids != tok.pad_token_id).long()
+    lm = create_causal_lm(path)
+    rm = create_reward_model(path, pad_token_id=tok.pad_token_id)
+    for model in (lm, rm.model):
+        assert model.get_input_embeddings().num_embeddings == len(tok)
+        assert model.config.pad_token_id == tok.pad_token_id
+    with torch.no_grad():
+        assert torch.isfinite(lm(input_ids=ids, attention_mask=mask).logits).all()
+        assert torch.isfinite(rm(ids, mask)).all()
 
 
 def _rows(tok, data, phase):
