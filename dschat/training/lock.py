@@ -2,7 +2,9 @@
 
 Rank 0 holds an exclusive ``flock`` on ``<output_dir>/.dschat.lock`` for the life of the process and writes its
 pid, host, start time and a random nonce into it. The kernel drops the lock when the process dies, however it
-dies, so a lock left by a killed run is stale by construction: the next run takes it and says whose it was.
+dies, so a lock left by a killed run is stale by construction: the next run takes it and says whose it was. A run
+that ends on its own (finished, or stopped with an error) clears its note as it exits, so the next run in the
+folder says nothing; only a killed holder's note is left to report.
 Where the filesystem has no locks (some network mounts) the file itself is the lock: a holder that is no longer
 alive on this host is taken over, one on another host is reported.
 
@@ -14,6 +16,7 @@ nodes that disagree about what exists.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import json
@@ -116,6 +119,7 @@ def acquire(folder: str | Path, log: Any = None) -> dict[str, Any]:
     note = _note()
     _write_note(fd, note)
     _HELD[key] = (fd, note)
+    atexit.register(release, folder)
     if previous.get("pid") not in (None, os.getpid()) and log is not None:
         log(f"took over the lock of a run that is gone ({describe(previous)})")
     return note
@@ -140,12 +144,21 @@ def _acquire_by_note(folder: Path, key: str, log: Any) -> dict[str, Any]:
     if _read_info(path, tries=1).get("nonce") != note["nonce"]:
         raise _in_use(folder, _read_info(path))
     _HELD[key] = (-1, note)
+    atexit.register(release, folder)
     return note
 
 
 def release(folder: str | Path) -> None:
-    """Give the lock up before the process ends (the kernel does it at exit anyway)."""
-    fd, _ = _HELD.pop(str(Path(folder).resolve()), (-1, {}))
+    """Clear our note and give the lock up (at exit, unless the process was killed: then the kernel drops the
+    lock and the note stays for the next run to report). The note is emptied, not deleted, while the lock is still
+    held, so no other run can take a fresh file's lock in between."""
+    fd, note = _HELD.pop(str(Path(folder).resolve()), (-1, {}))
+    path = Path(folder) / LOCK_NAME
+    with contextlib.suppress(OSError):
+        if fd >= 0:
+            os.ftruncate(fd, 0)
+        elif note and _read_info(path, tries=1).get("nonce") == note.get("nonce"):
+            path.unlink()
     if fd >= 0:
         os.close(fd)
 

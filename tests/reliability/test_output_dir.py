@@ -54,7 +54,18 @@ def test_a_killed_runs_lock_is_taken_over(trained, tmp_path, small_data):
                    "--no-save-final-state")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"took over the lock of a run that is gone (pid {gone.pid}" in proc.stderr
-    assert json.loads((out / LOCK_NAME).read_text())["pid"] != gone.pid
+    assert (out / LOCK_NAME).read_text() == ""  # the run ended on its own: its note is cleared
+
+
+def test_a_finished_run_leaves_no_lock_note(trained, tmp_path, small_data):
+    """The next run in a folder whose last run finished (``--resume`` or ``--force``) says nothing of a lock."""
+    out = fresh_copy(trained, tmp_path / "run")
+    assert (out / LOCK_NAME).read_text() == ""
+    for flag in ("--resume", "--force"):
+        proc = run_cli(*TRAIN, "--data", str(small_data), "--output-dir", str(out), "--max-steps", "3", flag,
+                       "--no-save-final-state")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "lock" not in proc.stderr and (out / LOCK_NAME).read_text() == ""
 
 
 def test_output_dir_that_is_a_file(tmp_path):
