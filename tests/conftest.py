@@ -13,3 +13,19 @@ os.environ.setdefault("DSCHAT_CACHE", tempfile.mkdtemp(prefix="dschat-test-cache
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C's default disposition in this process for one test, whatever pytest was started with: a suite run in
+    the background (`cmd &`, nohup) has SIGINT ignored, and dschat leaves an ignored SIGINT ignored."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -372,6 +372,9 @@ def stop_after_step(log: Callable[[str], None]) -> Iterator[StopRequest]:
         stop.flag = True
         log("interrupt: saving a state after this step (Ctrl-C again to stop without one)")
 
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started with SIGINT ignored (nohup, `cmd &`): respected
+        yield stop
+        return
     try:
         previous = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread: no handler, Ctrl-C behaves as usual

@@ -95,9 +95,12 @@ def test_ctrl_c_saves_a_state_and_exits_cleanly(tmp_path):
     import time
 
     out = tmp_path / "int"
+    # The child gets Ctrl-C's default disposition whatever this process has: a suite started in the background
+    # (`cmd &`, nohup) runs with SIGINT ignored, which a child inherits and dschat rightly respects.
     proc = subprocess.Popen([sys.executable, "-c", "from dschat.cli.main import cli; cli()", "train", "--step", "1",
                              "--max-steps", "400", "--no-progress", "--output-dir", str(out)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").exists() or len(losses(out, "train/loss")) < 2:
         assert proc.poll() is None and time.time() < deadline

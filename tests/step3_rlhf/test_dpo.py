@@ -137,7 +137,7 @@ def test_dpo_with_actor_lora_trains_only_the_adapters(tmp_path):
 
 
 @pytest.mark.parametrize("algo", ["dpo", pytest.param("online_dpo", marks=pytest.mark.slow)])
-def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch, algo):
+def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch, algo, ctrl_c):
     # A resumed DPO run recomputes the reference's log-probs of the pairs (they are not saved) and continues at the
     # next pair batch; online DPO also restores the sampling RNG and its pair/tie totals.
     import os

@@ -74,7 +74,7 @@ def grpo_cfg(out, reward, **kw):
 
 
 @pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.slow)])
-def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypatch, zero):
+def test_grpo_ctrl_c_saves_after_the_step_and_resume_matches(tmp_path, monkeypatch, zero, ctrl_c):
     # Dynamic sampling (dapo) draws a varying number of prompt batches per step: the stream position must be
     # the batch count, not the step. Ctrl-C lands mid-step; the state is saved once the step has finished.
     (tmp_path / "length.py").write_text("def reward(prompts, completions, **fields):\n"
