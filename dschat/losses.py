@@ -58,6 +58,7 @@ __all__ = [
     "overlong_penalty",
     "pairwise_loss",
     "pairwise_metrics",
+    "implicit_rewards",
     "per_token_nll",
     "ppo_policy_loss",
     "ppo_value_loss",
@@ -74,7 +75,9 @@ GRPOLossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ScaleRewards = Literal["group", "batch", "none"]
 DPOLossType = Literal["sigmoid", "ipo", "cdpo"]
 
-# exp() of a log-ratio beyond +-20 overflows fp16 and makes k3 explode; clamping is what TRL/OpenRLHF do too.
+# exp() of a log-ratio beyond +-20 overflows fp16 and makes k3 explode. The peers differ: veRL clamps the
+# log-ratio (at 20) and the KL estimate (at 10), OpenRLHF clamps the KL estimate only (at 10), and TRL's k3 has no
+# clamp; dschat clamps the log-ratio, which leaves every k3 below e^20 exact.
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -928,16 +931,18 @@ def dpo_loss(
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid', 'cdpo' or 'ipo'")
-    chosen_rewards = (beta * chosen_logratio).detach()
-    rejected_rewards = (beta * rejected_logratio).detach()
+    return implicit_rewards(losses.mean(), chosen_logratio, rejected_logratio, beta)
+
+
+def implicit_rewards(loss: torch.Tensor, chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor,
+                     beta: float) -> DPOLossOutput:
+    """``loss`` with DPO's detached implicit rewards ``beta * (pi - ref)`` of the given log-ratios ``(B,)``, their
+    accuracy (chosen above rejected, ties half) and mean margin."""
+    chosen_rewards = (beta * chosen_logratio.float()).detach()
+    rejected_rewards = (beta * rejected_logratio.float()).detach()
     metrics = pairwise_metrics(chosen_rewards, rejected_rewards)
-    return DPOLossOutput(
-        loss=losses.mean(),
-        chosen_rewards=chosen_rewards,
-        rejected_rewards=rejected_rewards,
-        reward_accuracy=metrics.accuracy,
-        reward_margin=metrics.margin_mean,
-    )
+    return DPOLossOutput(loss=loss, chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards,
+                         reward_accuracy=metrics.accuracy, reward_margin=metrics.margin_mean)
 
 
 def simpo_loss(
@@ -1005,14 +1010,16 @@ def best_worst_pairs(rewards: torch.Tensor, num_generations: int, valid: torch.T
 
 
 def per_token_nll(logps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of the per-token negative log-likelihood ``-logps / lengths``: RPO's term (Pang et al. 2024,
-    "Iterative Reasoning Preference Optimization", arXiv:2404.19733 eq. 3) added to DPO on the chosen answers.
+    """The negative log-likelihood per answer token over all the batch's tokens, ``-sum(logps) / sum(lengths)``:
+    RPO's term (Pang et al. 2024, "Iterative Reasoning Preference Optimization", arXiv:2404.19733 eq. 3) added to
+    DPO on the chosen answers. A token mean, as TRL's ``rpo_alpha`` takes it (a cross-entropy over the chosen
+    tokens), so a long answer weighs by its tokens rather than as one row.
 
     Args:
         logps: ``(B,)`` summed answer log-probs (with grad).
         lengths: ``(B,)`` answer lengths in tokens (at least 1).
     """
-    return -(logps.float() / lengths.float()).mean()
+    return -logps.float().sum() / lengths.float().sum()
 
 
 def kd_loss(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -20,7 +20,32 @@ from dschat.config import FlagSpec, build_config, canonical_names, flag_specs, l
 from dschat.errors import UserError
 
 
-def click_option(spec: FlagSpec) -> click.Option:
+class SiblingChoice(click.Choice):
+    """A flag's choices that, when a value is refused, name the command's other flags that take it: ``--algo dpo
+    --loss-type ipo`` says that ``--dpo-loss-type`` takes ``ipo`` (each algorithm declares its own loss flag)."""
+
+    def __init__(self, choices: Sequence[str], siblings: dict[str, Sequence[str]]):
+        super().__init__(choices)
+        self.siblings = siblings  # flag -> its choices, for every choice flag of the command
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            own = param.opts[0] if param is not None else ""
+            takers = [flag for flag, choices in self.siblings.items() if flag != own and value in choices]
+            if not takers:
+                raise
+            self.fail(f"{e.message.rstrip('.')}; {', '.join(takers)} takes {value!r}", param, ctx)
+
+
+def declared_options(specs: Sequence[FlagSpec]) -> list[click.Option]:
+    """The click options of a command's declared flags (``click_option``), their choices aware of each other."""
+    siblings = {f"--{s.name.replace('_', '-')}": list(s.choices) for s in specs if s.choices}
+    return [click_option(s, siblings) for s in specs]
+
+
+def click_option(spec: FlagSpec, siblings: dict[str, Sequence[str]] | None = None) -> click.Option:
     """The click option of one declared flag: ``--name`` and ``--name_with_underscores``, its aliases, and
     ``--no-name`` for booleans."""
     dash = spec.name.replace("_", "-")
@@ -35,7 +60,7 @@ def click_option(spec: FlagSpec) -> click.Option:
     decls += [d for a in spec.aliases for d in dict.fromkeys((f"--{a.replace('_', '-')}", f"--{a}"))]
     if spec.type is list:
         return click.Option(decls + [spec.name], multiple=True, help=help_text, hidden=spec.hidden)
-    ptype: Any = click.Choice(spec.choices) if spec.choices else spec.type
+    ptype: Any = SiblingChoice(spec.choices, siblings or {}) if spec.choices else spec.type
     return click.Option(decls + [spec.name], type=ptype, default=spec.default, help=help_text,
                         hidden=spec.hidden, show_default=spec.default is not None and spec.default != "")
 
@@ -53,7 +78,7 @@ class DeclaredFlagsCommand(click.Command):
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         if self._flags is not None:
-            self.params.extend(click_option(s) for s in flag_specs(self._flags()))
+            self.params.extend(declared_options(flag_specs(self._flags())))
             self._flags = None
         return super().get_params(ctx)
 
@@ -96,7 +121,7 @@ def stage_command(name: str, config: type | Callable[[], type], run: Callable[[A
     if not isinstance(config, type):
         return DeclaredFlagsCommand(name, params=params, callback=callback, help=help, context_settings=settings,
                                     flags=config)
-    params += [click_option(s) for s in flag_specs(config)]
+    params += declared_options(flag_specs(config))
     return click.Command(name, params=params, callback=callback, help=help, context_settings=settings)
 
 

@@ -18,6 +18,7 @@ from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
 from dschat.rlhf.ppo import PPOArgs
+from dschat.rlhf.rloo import RLOOArgs
 from dschat.rlhf.scoring import JUDGE, RM
 
 PER_MODEL_OPTIM = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2")
@@ -140,6 +141,7 @@ class RLHFConfig:
     ppo: PPOArgs = field(default_factory=PPOArgs)
     grpo: GRPOArgs = field(default_factory=GRPOArgs)
     dpo: DPOArgs = field(default_factory=DPOArgs)
+    rloo: RLOOArgs = field(default_factory=RLOOArgs)
     data: DataArgs = field(default_factory=DataArgs)
     run: RunArgs = field(default_factory=RunArgs)
 

@@ -43,7 +43,8 @@ EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_
 
 @dataclass
 class DPOArgs:
-    dpo_loss_type: str = arg("sigmoid", "DPO loss: sigmoid (DPO), ipo (on length-averaged log-ratios), cdpo (label "
+    dpo_loss_type: str = arg("sigmoid", "DPO loss: sigmoid (DPO), ipo (on length-averaged log-ratios; its reported "
+                                        "rewards on summed ones, as TRL's), cdpo (label "
                                         "smoothing, --label-smoothing), simpo (no reference, length-normalised, "
                                         "margin --simpo-gamma).", choices=LOSS_TYPES)
     dpo_beta: float | None = arg(None, "DPO's beta (IPO's tau) [default 0.1; 2.0 with simpo, SimPO's setting].",
@@ -51,9 +52,10 @@ class DPOArgs:
     label_smoothing: float = arg(0.0, "cdpo: the probability that a preference label is flipped, in [0, 0.5).",
                                  low=0)
     simpo_gamma: float = arg(0.5, "simpo: the target reward margin gamma subtracted inside the sigmoid.", low=0)
-    rpo_alpha: float = arg(0.0, "Weight of the chosen answers' per-token negative log-likelihood added to the "
-                                "loss (RPO: Pang et al. 2024, arXiv:2404.19733). DPO alone can lower the "
-                                "likelihood of both answers and drift; this keeps the chosen ones likely.", low=0)
+    rpo_alpha: float = arg(0.0, "Weight of the chosen answers' negative log-likelihood per token (a mean over all "
+                                "chosen tokens of the batch, as TRL's rpo_alpha) added to the loss (RPO: Pang et al. "
+                                "2024, arXiv:2404.19733). DPO alone can lower the likelihood of both answers and "
+                                "drift; this keeps the chosen ones likely.", low=0)
 
     @property
     def beta(self) -> float:
@@ -147,7 +149,10 @@ def pair_loss(a: DPOArgs, logps: torch.Tensor, lengths: torch.Tensor,
         assert ref_logps is not None
         rc, rx = ref_logps.chunk(2)
         if a.dpo_loss_type == "ipo":  # IPO on length-averaged log-ratios (docs/algorithms.md, DPO family)
-            out = L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo")
+            loss = L.dpo_loss(c / nc, x / nx, rc / nc, rx / nx, a.beta, loss_type="ipo").loss
+            # Its implicit rewards, accuracy and margin on the summed log-ratios, as TRL reports them for IPO too,
+            # so the figures compare across loss types and with TRL's.
+            out = L.implicit_rewards(loss, c - rc, x - rx, a.beta)
         else:
             smoothing = a.label_smoothing if a.dpo_loss_type == "cdpo" else 0.0
             out = L.dpo_loss(c, x, rc, rx, a.beta, smoothing, loss_type=a.dpo_loss_type)  # type: ignore[arg-type]

@@ -12,7 +12,12 @@ tokens of each optimizer step, with the KL in the reward rather than the loss.
 prompt), then does the same; OpenRLHF recommends it for reasoning tasks, where rule rewards differ in scale
 across prompts. Peers: OpenRLHF ``--advantage_estimator reinforce|reinforce_baseline``, veRL
 ``compute_reinforce_plus_plus_outcome_advantage`` (both whiten on a driver that holds the whole batch; here each
-rank holds its share, hence the all-reduced moments).
+rank holds its share, hence the all-reduced moments). dschat follows veRL where the two differ:
+
+- the whitening's variance divides by n - 1 (veRL's ``masked_whiten``); OpenRLHF divides by n, so its advantages
+  are larger by ``sqrt(n / (n - 1))``, a factor that vanishes with the batch size;
+- the per-token KL is the plain k1 estimate, unclamped; OpenRLHF clamps its KL estimate to [-10, 10];
+- ``--gamma`` applies to both variants; OpenRLHF forces gamma = 1 for ``reinforce_baseline``.
 
 The two live in one file: they differ in one line (the score's baseline), as GRPO's loss types share grpo.py.
 Flags: GRPO's generation and clip flags, PPO's ``--kl-ctl``, ``--gamma`` and ``--clip-reward-value``.

@@ -180,3 +180,15 @@ def test_config_file_mapping_outside_a_section_names_the_key(tmp_path):
     path.write_text("optim:\n  learning_rate:\n    x: 1\n", encoding="utf-8")
     with pytest.raises(UserError, match="'optim.learning_rate' holds a mapping"):
         capture(["--config", str(path)])
+
+
+def test_a_refused_choice_names_the_flag_that_takes_it(tmp_path):
+    """Each algorithm declares its own loss flag: ``--algo dpo --loss-type ipo`` (GRPO's flag) is refused with a
+    line that names DPO's ``--dpo-loss-type``, exit code 2, before anything loads."""
+    proc = run_cli("train", "--step", "3", "--algo", "dpo", "--actor-model", "tiny", "--output-dir",
+                   str(tmp_path / "o"), "--loss-type", "ipo", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'ipo' is not one of 'grpo', 'dr_grpo', 'dapo', 'gspo'; --dpo-loss-type takes 'ipo'" in proc.stderr
+    proc = run_cli("train", "--step", "3", "--algo", "dpo", "--actor-model", "tiny", "--output-dir",
+                   str(tmp_path / "o"), "--loss-type", "nonsense", timeout=120)
+    assert proc.returncode == 2 and "takes" not in proc.stderr  # no flag takes it: the plain refusal

@@ -663,12 +663,16 @@ def test_dynamic_sampling_mask_drops_constant_groups():
 
 
 def test_per_token_nll_by_hand_with_gradient():
-    # rows: -6 over 3 tokens -> 2 per token; -2 over 4 tokens -> 0.5; mean 1.25
+    # A token mean over the batch (TRL's rpo_alpha): rows -6 over 3 tokens and -2 over 4 -> 8 / 7
+    # (a mean of the rows' own means would give (2 + 0.5) / 2 = 1.25)
     logps = torch.tensor([-6.0, -2.0], requires_grad=True)
     loss = per_token_nll(logps, torch.tensor([3, 4]))
-    close(loss.detach(), 1.25)
+    close(loss.detach(), 8 / 7)
     loss.backward()
-    close(logps.grad, [-1 / 6, -1 / 8])  # d/dlogp_i of -(logp_i / n_i) / 2
+    close(logps.grad, [-1 / 7, -1 / 7])  # d/dlogp_i of -(logp_1 + logp_2) / 7
+    # One chosen answer of 1 token at log p -4, one of 9 tokens at -1 each: (4 + 9) / 10 = 1.3 (TRL's figure; the
+    # mean of per-answer means would be (4 + 1) / 2 = 2.5)
+    close(per_token_nll(torch.tensor([-4.0, -9.0]), torch.tensor([1, 9])), 1.3)
 
 
 def test_best_worst_pairs_by_hand():

@@ -89,6 +89,31 @@ def test_rloo_short_run(tmp_path, reward_file):  # noqa: F811
     assert "train/kl" in rows[0] and "train/reward_std" in rows[0]
 
 
+def test_rloo_kl_in_reward_short_run(tmp_path, reward_file):  # noqa: F811
+    rows = _short_run(tmp_path, reward_file, "rloo", num_generations=3, kl_in_reward=True, beta=0.1)
+    assert "train/kl" in rows[0]  # measured still, now charged in the reward
+
+
+def test_rloo_kl_in_reward_by_hand():
+    """TRL's and OpenRLHF's placement: the summed k1 KL of each completion leaves its reward before the leave-one-out
+    baseline; dschat's default keeps it in the loss (``--kl-in-reward`` off)."""
+    from dschat.rlhf.rloo import kl_folded_rewards
+
+    rewards = torch.tensor([1.0, 0.0, 2.0])  # one prompt, k = 3
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0], [-3.0, 0.0]])
+    ref = torch.tensor([[-2.0, -2.0], [-1.5, -1.0], [-1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])  # the third answer has one token
+    # per-answer k1 sums: (1 + 0) = 1, (0.5 + 0) = 0.5, (-2) = -2 -> rewards - 0.5 * kl = 0.5, -0.25, 3.0
+    folded = kl_folded_rewards(rewards, old, ref, mask, beta=0.5)
+    assert folded.tolist() == pytest.approx([0.5, -0.25, 3.0])
+    # leave-one-out: 0.5 - (-0.25 + 3) / 2 = -0.875; -0.25 - (0.5 + 3) / 2 = -2.0; 3 - (0.5 - 0.25) / 2 = 2.875
+    assert L.rloo_advantages(folded, 3).tolist() == pytest.approx([-0.875, -2.0, 2.875])
+    with pytest.raises(UserError, match="--kl-in-reward has no effect with --algo grpo"):
+        _given("grpo", kl_in_reward=True)
+    with pytest.raises(UserError, match="--kl-estimator has no effect with --kl-in-reward"):
+        _given("rloo", kl_in_reward=True, kl_estimator="k2")
+
+
 @pytest.mark.parametrize("algo", ["reinforce_pp", "reinforce_pp_baseline"])
 def test_reinforce_pp_short_run(tmp_path, reward_file, algo):  # noqa: F811
     rows = _short_run(tmp_path, reward_file, algo, kl_ctl=0.05, gamma=0.99)

@@ -20,6 +20,21 @@ from tests.helpers import read_json, read_jsonl
 from tests.helpers import run_stage as run
 
 
+def test_ipo_reports_rewards_on_summed_log_ratios_as_trl():
+    """IPO's loss takes length-averaged log-ratios (the paper's), its reported rewards, accuracy and margin the
+    summed ones (TRL's, the same as the other DPO losses report), so they can disagree by design."""
+    from dschat.rlhf.dpo import DPOArgs, pair_loss
+
+    # one pair: chosen log-ratio -8 - (-10) = +2 over 10 tokens (mean 0.2), rejected -3 - (-4) = +1 over 2 (0.5)
+    logps, ref, lengths = torch.tensor([-8.0, -3.0]), torch.tensor([-10.0, -4.0]), torch.tensor([10, 2])
+    out = pair_loss(DPOArgs(dpo_loss_type="ipo", dpo_beta=0.1), logps, lengths, ref)
+    # loss on the means: h = 0.2 - 0.5 = -0.3; (h - 1 / (2 * 0.1))^2 = (-5.3)^2 = 28.09
+    assert out.loss.item() == pytest.approx(28.09, abs=1e-5)
+    # rewards on the sums: 0.1 * 2 = 0.2 and 0.1 * 1 = 0.1, accuracy 1 (on the means it would be 0), margin 0.1
+    assert out.chosen_rewards.tolist() == pytest.approx([0.2]) and out.rejected_rewards.tolist() == pytest.approx([0.1])
+    assert out.reward_accuracy.item() == 1.0 and out.reward_margin.item() == pytest.approx(0.1)
+
+
 def _weights(folder):
     from safetensors.torch import load_file
 
@@ -103,17 +118,18 @@ def test_rpo_alpha_adds_the_chosen_per_token_nll():
     from dschat.rlhf.dpo import DPOArgs, pair_loss
 
     # Two pairs, policy == reference: the sigmoid DPO loss is log 2. Chosen answers: -6 over 3 tokens and -2 over
-    # 4 tokens, per-token NLL (2 + 0.5) / 2 = 1.25; alpha 0.4 adds 0.5. The rejected answers do not enter it.
+    # 4 tokens, NLL per token over the batch (TRL's) (6 + 2) / 7 = 8 / 7 (the mean of per-answer means would be
+    # 1.25); alpha 0.4 adds 0.4 * 8 / 7. The rejected answers do not enter it.
     logps = torch.tensor([-6.0, -2.0, -1.0, -9.0])
     lengths = torch.tensor([3, 4, 1, 2])
     plain = pair_loss(DPOArgs(), logps, lengths, logps.clone())
     rpo = pair_loss(DPOArgs(rpo_alpha=0.4), logps, lengths, logps.clone())
     assert plain.loss.item() == pytest.approx(math.log(2), abs=1e-6)
-    assert rpo.loss.item() == pytest.approx(math.log(2) + 0.4 * 1.25, abs=1e-6)
+    assert rpo.loss.item() == pytest.approx(math.log(2) + 0.4 * 8 / 7, abs=1e-6)
     assert torch.equal(rpo.chosen_rewards, plain.chosen_rewards)  # the implicit rewards are DPO's
     simpo = pair_loss(DPOArgs(dpo_loss_type="simpo", simpo_gamma=0.0, rpo_alpha=1.0), logps, lengths, None)
     # simpo, beta 2: avg c = -2, -0.5; avg x = -1, -4.5 -> -logsigmoid(2 * (-1)) and -logsigmoid(2 * 4)
-    want = (math.log1p(math.exp(2.0)) + math.log1p(math.exp(-8.0))) / 2 + 1.25
+    want = (math.log1p(math.exp(2.0)) + math.log1p(math.exp(-8.0))) / 2 + 8 / 7
     assert simpo.loss.item() == pytest.approx(want, abs=1e-5)
 
 
