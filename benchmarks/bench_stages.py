@@ -185,8 +185,7 @@ def dschat_flags(row: str, wl: dict[str, Any], shape: Shape, steps: int, out: Pa
              "--max-grad-norm", "1.0", "--data-split", "0,0,10"]
     if row == "dpo":
         return ["--step", "3", "--algo", "dpo", *actor, "--data", wl["pairwise"], "--dpo-loss-type", "sigmoid",
-                "--dpo-beta", "0.1", "--per-device-generation-batch-size", str(s.batch),
-                "--per-device-training-batch-size", str(s.batch), *common]
+                "--dpo-beta", "0.1", "--per-device-training-batch-size", str(s.batch), *common]
     sampling = ["--data", wl["prompts"], "--max-answer-seq-len", str(s.new_tokens), "--max-prompt-seq-len",
                 str(s.max_prompt_len), "--top-p", "1.0", "--top-k", "0"]
     if row == "grpo":

@@ -49,7 +49,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                           default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as)
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
     collator = Algo.collator(tok.pad_token_id)  # prompts (PPO, GRPO) or pairs (DPO)
-    prompts = training_loader(data.train, rl.per_device_generation_batch_size, collator, cfg.run.seed, d)
+    prompts = training_loader(data.train, Algo.batch_size(cfg), collator, cfg.run.seed, d)  # rows per update
     evals = eval_loader(data.eval, o.per_device_eval_batch_size, collator)
     per_epoch, micro_per_update = Algo.plan(cfg, len(prompts))
     total_updates = o.max_steps if o.max_steps > 0 else per_epoch * o.num_train_epochs  # the stream cycles epochs

@@ -14,7 +14,6 @@ defaults and choices, and one declaration per flag keeps ``refuse_inert`` exact.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -234,7 +233,9 @@ class DPO:
 
     @staticmethod
     def inert_flags(cfg: Any) -> dict[str, str]:
-        out = {"min_answer_len": "with --algo dpo (no answers are trained on)"}
+        out = {"min_answer_len": "with --algo dpo (no answers are trained on)",
+               "per_device_generation_batch_size": "with --algo dpo (an update takes --per-device-train-batch-size "
+                                                   "x --gradient-accumulation-steps pairs)"}
         if not DPO.reward_func_names(cfg):
             why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
             out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len", "eval_samples",
@@ -253,10 +254,15 @@ class DPO:
             raise UserError("--dpo-loss-type cdpo needs --label-smoothing > 0 (at 0 it is --dpo-loss-type sigmoid)")
 
     @staticmethod
+    def batch_size(cfg: Any) -> int:
+        """Pairs per update, as TRL's DPO counts them: ``--per-device-train-batch-size`` pairs per micro-batch times
+        ``--gradient-accumulation-steps`` micro-batches, one optimizer step."""
+        return int(cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps)
+
+    @staticmethod
     def plan(cfg: Any, pair_batches: int) -> tuple[int, int]:
-        """One batch of ``--per-device-generation-batch-size`` pairs per update, in micro-batches of
-        ``--per-device-train-batch-size`` pairs."""
-        return pair_batches, math.ceil(cfg.rl.per_device_generation_batch_size / cfg.optim.per_device_train_batch_size)
+        """One batch of pairs per update (``batch_size``), in ``--gradient-accumulation-steps`` micro-batches."""
+        return pair_batches, int(cfg.optim.gradient_accumulation_steps)
 
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer | None, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):

@@ -20,6 +20,11 @@ class OnPolicy:
     scorer: Any
 
     @staticmethod
+    def batch_size(cfg: Any) -> int:
+        """Dataset rows (prompts) per update: a generation batch."""
+        return int(cfg.rl.per_device_generation_batch_size)
+
+    @staticmethod
     def inert_flags(cfg: Any) -> dict[str, str]:
         # Training rows are the policy's own samples, batched by the algorithm: the data flags that shape training
         # batches of dataset rows have nothing to act on.

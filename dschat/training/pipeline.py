@@ -60,7 +60,7 @@ DEMO_ARGS = {
 # (about 3 epochs of the 1,024 training pairs): at beta 0.1 both drifted far from the SFT policy and offline DPO's
 # answers scored lower (the recipes compared: docs/algorithms.md, Demo results).
 DPO_DEMO_ARGS = {
-    "dpo": ["--max-steps", "200", "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
+    "dpo": ["--max-steps", "200", "--per-device-train-batch-size", "16",
             "--max-answer-seq-len", "64", "--eval-fraction", "0.2", "--max-eval-rows", "256", "--eval-samples", "8",
             "--dpo-beta", "0.5", "--rpo-alpha", "1.0"],
     "online_dpo": ["--max-steps", "100", "--num-generations", "4", "--per-device-generation-batch-size", "16",

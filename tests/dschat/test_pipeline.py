@@ -75,16 +75,17 @@ def test_pipeline_dpo_stages_and_folders(tmp_path):
 def test_pipeline_dpo_and_online_dpo_report(tmp_path):
     out = tmp_path / "pipe"
     fast = ["--sft-args", "--max-steps 20 --no-progress", "--rm-args", "--max-steps 20 --no-progress"]
-    rl = "--max-steps 2 --max-eval-rows 8 --max-answer-seq-len 12 --per-device-generation-batch-size 4 --no-progress"
-    proc = run_cli("pipeline", "dpo", "--output-dir", str(out), *fast, "--rl-args", rl, timeout=900)
+    rl = "--max-steps 2 --max-eval-rows 8 --max-answer-seq-len 12 --no-progress"
+    proc = run_cli("pipeline", "dpo", "--output-dir", str(out), *fast, "--rl-args",
+                   f"{rl} --per-device-train-batch-size 4", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DPO   implicit acc." in proc.stdout and "RM reward" in proc.stdout
     report = read_json(out / "pipeline.json")
     assert report["dpo_algo"] == "dpo" and report["dpo_eval_pairs_after"] == 8
     assert report["dpo_implicit_accuracy_before"] == pytest.approx(0.5) and report["dpo_reward_gain_se"] is not None
     assert set(report["seconds"]) == {"sft", "rm", "dpo"}
-    proc = run_cli("pipeline", "dpo", "--output-dir", str(out), *fast, "--rl-args", f"--algo online_dpo {rl}",
-                   timeout=900)
+    proc = run_cli("pipeline", "dpo", "--output-dir", str(out), *fast, "--rl-args",
+                   f"--algo online_dpo {rl} --per-device-generation-batch-size 4", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("already finished; skipped") == 2  # SFT and RM reused
     assert "ODPO  implicit acc." in proc.stdout and "pairs trained" in proc.stdout

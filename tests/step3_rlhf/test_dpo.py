@@ -43,8 +43,8 @@ def _weights(folder):
 
 def dpo_cfg(out, **kw):
     base = {"algo": "dpo", "actor_model": "tiny", "data": [str(demo_files()["pairwise"])], "output_dir": str(out),
-            "data_split": "18,1,1", "max_steps": 6, "per_device_generation_batch_size": 8,
-            "per_device_training_batch_size": 4,
+            "data_split": "18,1,1", "max_steps": 6, "per_device_training_batch_size": 4,
+            "gradient_accumulation_steps": 2,
             "actor_learning_rate": 1e-3, "max_eval_rows": 16, "per_device_eval_batch_size": 16, "progress": False,
             "force": True}
     base.update(kw)
@@ -80,8 +80,7 @@ def test_dpo_short_run_learns_the_pairs(tmp_path, capsys, loss_type):
 def test_dpo_with_packed_pairs_learns(tmp_path):
     """--packing: updates of 4 packed sequences (several pairs each) in micro-batches of 2; evaluation unpacked."""
     out = tmp_path / "packed"
-    metrics = run(dpo_cfg(out, packing=True, max_steps=4, per_device_generation_batch_size=4,
-                          per_device_training_batch_size=2))
+    metrics = run(dpo_cfg(out, packing=True, max_steps=4, per_device_training_batch_size=2))
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/actor_loss" in r]
     assert len(rows) == 4 and all(math.isfinite(r["train/actor_loss"]) for r in rows)
     assert _moved(out) > 0.5
@@ -105,6 +104,14 @@ def test_dpo_flags_checked_and_refused():
         refuse_inert(cfg(dpo_loss_type="simpo", offload_reference_model=True), {"offload_reference_model"})
     with pytest.raises(UserError, match="has no effect"):  # DPO's flags under GRPO
         refuse_inert(build_config(RLHFConfig, {"algo": "grpo", "dpo_beta": 0.2}), {"dpo_beta"})
+    # pairs per update as TRL counts them: train batch x accumulation (the sampling flag does nothing here)
+    with pytest.raises(UserError, match="--per-device-generation-batch-size has no effect with --algo dpo .an "
+                                        "update takes --per-device-train-batch-size x --gradient-accumulation-steps"):
+        refuse_inert(cfg(per_device_generation_batch_size=8), {"per_device_generation_batch_size"})
+    from dschat.rlhf.dpo import DPO
+
+    c = cfg(per_device_train_batch_size=4, gradient_accumulation_steps=3)
+    assert DPO.batch_size(c) == 12 and DPO.plan(c, 10) == (10, 3)  # 12 pairs, 3 micro-batches, 1 optimizer step
     with pytest.raises(UserError, match="label-smoothing > 0"):
         check_config(cfg(dpo_loss_type="cdpo"))
     with pytest.raises(UserError, match=r"\[0, 0.5\)"):
@@ -211,7 +218,7 @@ def test_dpo_two_ranks_actor_zero3_under_launcher(tmp_path):
     out = tmp_path / "dist"
     proc = run_cli("train", "--step", "3", "--num-gpus", "2", "--algo", "dpo", "--actor-model", "tiny",
                    "--data", str(demo_files()["pairwise"]), "--data-split", "18,1,1", "--actor-zero-stage", "3",
-                   "--output-dir", str(out), "--max-steps", "3", "--per-device-generation-batch-size", "4",
+                   "--output-dir", str(out), "--max-steps", "3", "--gradient-accumulation-steps", "2",
                    "--per-device-train-batch-size", "2", "--actor-learning-rate", "1e-3", "--max-eval-rows", "8",
                    "--no-progress", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
