@@ -293,9 +293,18 @@ def _pad_now(config: Any, pad: int | None) -> int | None:
     return None
 
 
-def _pad_after_growth(model: Any, pad: int | None) -> None:
-    if pad is not None:
-        model.config.pad_token_id = pad
+def _finish(hf: nn.Module, model: nn.Module, n_tokens: int, late_pad: int | None, lora: LoraArgs | None,
+            gradient_checkpointing: bool) -> None:
+    """What both builders do to a loaded HF model ``hf`` (``model``: it, or the module wrapping it): embedding rows
+    for every tokenizer id, then the pad named (``_pad_now``), LoRA adapters, gradient checkpointing."""
+    fit_embeddings(hf, n_tokens)
+    if late_pad is not None:
+        hf.config.pad_token_id = late_pad
+    if lora is not None and lora.lora_dim:
+        apply_lora(model, lora)
+    if gradient_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.config.use_cache = False
 
 
 @contextlib.contextmanager
@@ -371,13 +380,7 @@ def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: flo
                                                          trust_remote_code=trust_remote_code)
     except _load_errors() as e:
         raise load_failure(path, e) from None
-    fit_embeddings(model, n_tokens)
-    _pad_after_growth(model, late)
-    if lora is not None and lora.lora_dim:
-        apply_lora(model, lora)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    _finish(model, model, n_tokens, late, lora, gradient_checkpointing)
     return model
 
 
@@ -415,14 +418,8 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
                         f"({str(e).splitlines()[0][:120]})") from None
     except _load_errors() as e:
         raise load_failure(path, e) from None
-    fit_embeddings(seq_cls, n_tokens)
-    _pad_after_growth(seq_cls, late)
     model = RewardModel(seq_cls)
-    if lora is not None and lora.lora_dim:
-        apply_lora(model, lora)
-    if gradient_checkpointing:
-        seq_cls.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        seq_cls.config.use_cache = False
+    _finish(seq_cls, model, n_tokens, late, lora, gradient_checkpointing)
     return model
 
 
