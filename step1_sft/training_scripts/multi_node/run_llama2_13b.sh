@@ -3,7 +3,7 @@
 # launch/README.md for the hostfile, ssh/pdsh and the shared data cache). ZeRO-3, gradient checkpointing.
 #
 #   HOSTFILE=launch/hostfile step1_sft/training_scripts/multi_node/run_llama2_13b.sh MODEL OUTPUT_DIR \
-#       --data my_sft.jsonl --data-cache-dir /shared/dschat-data
+#       --data my_sft.jsonl --data-cache-dir /mnt/nfs/dschat-data
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 2 ]]; then
