@@ -44,14 +44,16 @@ JUDGE = ["sft", "judge"]
 JUDGE_SFT_FOLDER = "step1_sft_judge"
 
 # The embedded demo's recipe: sized so `dschat pipeline all` finishes in minutes on a 2-core CPU and the PPO
-# reward rises well beyond its standard error. Real runs override any of it with --sft-args/--rm-args/--rl-args.
+# reward rises well beyond its standard error. Its evaluation answers each held-out prompt 4 times: with one answer
+# the sampling noise of the estimate swamps the spread that a CPU's kernels put on the trained policy. Real runs
+# override any of it with --sft-args/--rm-args/--rl-args.
 DEMO_ARGS = {
     "sft": ["--num-train-epochs", "3", "--per-device-train-batch-size", "8"],
     "rm": ["--num-train-epochs", "1", "--per-device-train-batch-size", "8"],
     "ppo": ["--max-steps", "100", "--num-train-epochs", "2", "--max-answer-seq-len", "64",
             "--per-device-generation-batch-size", "16",
             "--per-device-train-batch-size", "16", "--eval-fraction", "0.2", "--max-eval-rows", "256",
-            "--kl-ctl", "0.05"],
+            "--eval-samples", "4", "--kl-ctl", "0.05"],
 }
 # `dschat pipeline dpo` on the demo: the phase-3 pairs of the PPO demo's data (offline DPO trains on them, online DPO
 # on their prompts), 256 of them held out for the implicit-reward accuracy and the reward-model score of sampled
