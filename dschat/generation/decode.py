@@ -566,7 +566,8 @@ class DschatBackend:
             done = done | (tok == eos[0] if eos.numel() == 1 else torch.isin(tok, eos))
             if seen is not None:
                 seen.scatter_(1, tok[:, None], True)
-            if t == N - 1 or bool(done.all()) or (config.on_token is not None and config.on_token(tok)):
+            stop = config.on_token is not None and config.on_token(tok)  # every token, the last one too
+            if t == N - 1 or bool(done.all()) or stop:
                 break
             if self.compiled:
                 assert isinstance(dec, LeanLlama)

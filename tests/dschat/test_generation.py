@@ -209,6 +209,12 @@ def test_on_token_streams_every_step_and_stops_all_rows(backend):
     assert got.sequences.shape[1] == ids.shape[1] + 3 and len(seen) == 3
     assert torch.equal(torch.stack(seen, 1), got.sequences[:, ids.shape[1]:])
     assert torch.equal(got.sequences, full[:, : ids.shape[1] + 3])
+    seen.clear()  # a hook that never stops sees every token, the last one included
+    with torch.no_grad():
+        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=5, do_sample=False,
+                                                                  on_token=lambda tok: seen.append(tok) and False),
+                               1, PAD)
+    assert torch.equal(torch.stack(seen, 1), got.sequences[:, ids.shape[1]:]) and len(seen) == 5
 
 
 def test_loop_logprobs_equal_a_forward_pass():
