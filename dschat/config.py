@@ -23,6 +23,9 @@ from typing import Any
 
 from dschat.errors import UserError
 
+# --generation-backend: what samples (dschat.generation.backends)
+BACKENDS = ("auto", "vllm", "dschat", "compiled", "hf")
+
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,
         choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (), low: float | None = None,
@@ -440,3 +443,28 @@ def to_flat_dict(cfg: Any) -> dict[str, Any]:
     out = {s.name: getattr(getattr(cfg, s.group), s.field) for s in flag_specs(type(cfg))}
     out.pop("local_rank", None)
     return out
+
+
+# The log-prob gap between a vLLM engine and the actor allowed on the sync probe, by precision (VLLMArgs).
+HALF_TOLERANCE, FULL_TOLERANCE = 0.5, 1e-3
+
+
+@dataclass
+class VLLMArgs:
+    """The vLLM engine's settings (``--generation-backend vllm``, or ``auto`` where it picks vLLM)."""
+
+    vllm_gpu_memory_utilization: float = arg(0.3, "GPU: share of each GPU's memory vLLM may take (weights and KV "
+                                                  "cache) beside the training engines.", above=0)
+    vllm_kv_cache_memory: int = arg(0, "CPU: vLLM's KV-cache budget in MiB (0: enough for one generation batch, "
+                                       "at least 64).", low=0)
+    vllm_tensor_parallel_size: int = arg(1, "GPU: GPUs per vLLM engine (tensor parallel); the data-parallel "
+                                            "ranks of a group share one engine's answers.", low=1)
+    vllm_enable_sleep: bool = arg(True, "GPU: put the engine to sleep (weights offloaded, KV cache freed) while "
+                                        "the actor trains, so training gets the memory back.")
+    sync_tolerance: float | None = arg(None, "Largest log-prob difference allowed between the engine and the actor "
+                                             f"on the probe after a weight sync (default: {FULL_TOLERANCE} in "
+                                             f"float32, {HALF_TOLERANCE} in bf16/fp16).", above=0)
+    sync_timeout: float = arg(600.0, "Seconds a weight sync may take before the run stops with one line.", above=0)
+
+
+VLLM_FLAGS = tuple(f.name for f in dataclasses.fields(VLLMArgs))

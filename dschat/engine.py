@@ -75,7 +75,7 @@ def teardown_distributed() -> None:
     (its communication threads joined) before the interpreter exits. Left to interpreter exit, a rank whose peers
     had already gone could abort in the gloo threads' teardown ("terminate called without an active exception").
     A world of one keeps its group, so in-process callers can run several stages."""
-    if is_distributed() and world_size() > 1:
+    if is_distributed() and world_size() > 1:  # (a vLLM engine's shutdown may have destroyed it already)
         dist.barrier()
         dist.destroy_process_group()
 
@@ -320,6 +320,18 @@ def gathered_parameters(module: torch.nn.Module, modifier_rank: int | None = Non
         yield
         return
     with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+@contextlib.contextmanager
+def gathered_params(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Materialise the given parameters (those ZeRO-3 partitioned) for the block, read-only; a no-op otherwise.
+    For walking a model one parameter (or one layer) at a time."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(partitioned):
         yield
 
 

@@ -494,6 +494,7 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     cliprange: float,
+    weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al. 2017), mean over all answer tokens of the batch.
 
@@ -506,6 +507,7 @@ def ppo_policy_loss(
         advantages: ``(B, T)``.
         action_mask: ``(B, T)``.
         cliprange: eps [0.2].
+        weights: ``(B, T)`` importance weights per token (``rollout.importance_weights``), or None.
 
     Returns:
         loss, fraction of tokens where the clipped term won, and k3 KL(old || new).
@@ -514,7 +516,10 @@ def ppo_policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), action_mask)
+    surrogate = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        surrogate = surrogate * weights.detach()
+    loss = masked_mean(surrogate, action_mask)
     # Samples come from the old policy, so KL(old || new) takes old as the sampling side of approx_kl.
     kl = approx_kl(old_logprobs, logprobs.detach(), "k3")
     return PolicyLossOutput(
@@ -638,6 +643,7 @@ def grpo_policy_loss(
     kl_estimator: KLEstimator = "k3",
     max_completion_length: int | None = None,
     normalizer: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> GRPOLossOutput:
     """GRPO-family policy loss (docs/algorithms.md, GRPO family).
 
@@ -669,6 +675,9 @@ def grpo_policy_loss(
             ranks of one optimizer step), so the accumulated gradient is that of the whole batch's loss rather
             than a mean of micro-batch means, which would weigh tokens of short micro-batches more (dapo) or
             change the constant (dr_grpo).
+        weights: ``(B, T)`` importance weights on the policy term (not the KL term), from
+            ``rollout.importance_weights``: answers a serving engine sampled; gspo weighs each sequence's term
+            by its tokens' mean weight.
 
     Sequences without answer tokens count nowhere: they carry no gradient and would only dilute the mean
     over sequences (grpo, gspo).
@@ -691,6 +700,8 @@ def grpo_policy_loss(
         ratio = torch.exp(masked_mean(log_ratio, keep, dim=1))  # (B,) sequence ratio
         clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
         seq_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        if weights is not None:
+            seq_loss = seq_loss * masked_mean(weights.detach(), keep, dim=1)
         if beta != 0.0:
             seq_loss = seq_loss + beta * masked_mean(kl, keep, dim=1)
         low = ((ratio < 1.0 - eps_low) & (adv < 0)).float().mean()
@@ -702,6 +713,8 @@ def grpo_policy_loss(
         ratio = torch.exp(log_ratio)  # (B, T)
         clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        if weights is not None:
+            per_token = per_token * weights.detach()
         if beta != 0.0:
             per_token = per_token + beta * kl
         # Clip stats count only where clipping removes the gradient (Yu et al. 2025 track both sides).

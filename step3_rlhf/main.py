@@ -57,7 +57,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     # 1. the engines, the generation path, the reward sources
     models = build_models(cfg, optimizer_steps)
-    hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend)
+    hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend, cfg.vllm,
+                                max_model_len=d.max_prompt_seq_len + rl.max_answer_seq_len)
     scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
     gen = GenerationConfig.from_flags(rl)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
@@ -76,7 +77,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
     stage.log(f"actor {cfg.actor.model} | {algo.describe()} | prompts {len(data.train)} (eval {len(data.eval)}) | "
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
-              f"{cfg.actor_engine.zero_stage} | world {E.world_size()}")
+              f"{cfg.actor_engine.zero_stage} | world {E.world_size()} | sampling on {hybrid.backend.name}")
 
     # 3. evaluate before training (kept in the state, so a resumed run compares with the same numbers)
     def evaluation() -> dict[str, Any]:
@@ -104,7 +105,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     for step in loop.updates(total_updates, fields, tensors_now):
         metrics, dropped = algo.step(stream)
         dropped_total += dropped
-        metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {})})
+        metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
+                        **hybrid.sync_metrics()})
         for name, value in metrics.items():
             if name.endswith("loss"):
                 check_finite(value, step, name)
@@ -135,6 +137,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
                       f"{after['reward_se']:.3f} (gain {metrics['reward_gain']:.3f} ± {metrics['reward_gain_se']:.3f})"
                       f"{kl} | saved {stage.output_dir}")
+    hybrid.close()  # a vLLM engine goes before the process group it runs in
     return metrics
 
 

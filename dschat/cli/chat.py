@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import click
 
+from dschat.config import BACKENDS
 from dschat.devices import DTYPES, pick_device, resolve_dtype
 from dschat.errors import UserError
 from dschat.prompts import Messages
@@ -88,9 +89,13 @@ def interactive(bot: Any, system: str | None, out: TextIO, banner: str) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="auto = bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU.")
 @click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
+@click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
+              default="auto", show_default=True,
+              help="What samples: auto = vLLM on a GPU where it is installed, else HF generate; vllm, dschat, "
+                   "compiled, hf. vLLM writes the answer when it is complete, not token by token.")
 def chat_command(model: str, prompt: str | None, system: str | None, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int, greedy: bool, repetition_penalty: float, seed: int | None, device: str,
-                 dtype: str, trust_remote_code: bool) -> None:
+                 dtype: str, trust_remote_code: bool, generation_backend: str) -> None:
     """Chat with a model: interactively, or one answer with --prompt (clear resets, quit/exit/Ctrl-D ends)."""
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty")
@@ -123,7 +128,8 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
 
         set_seed(seed)
     bot = Chatbot(lm, tokenizer, dev, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
-                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, log=log)
+                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, log=log,
+                  backend=generation_backend)
 
     out = sys.stdout
     if prompt is not None:

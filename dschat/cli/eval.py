@@ -25,7 +25,7 @@ from click.core import ParameterSource
 
 from dschat.cli.judge import print_judge_metrics, sampling_options
 from dschat.cli.options import DeclaredFlagsCommand
-from dschat.config import DataArgs, ModelArgs, SFTConfig, build_config, piece
+from dschat.config import VLLM_FLAGS, DataArgs, ModelArgs, SFTConfig, VLLMArgs, build_config, piece
 from dschat.demo import demo_data
 from dschat.errors import UserError
 from dschat.evaluation.judge import evaluate_judge_files
@@ -57,6 +57,7 @@ def eval_flags() -> type:
                            "--reward-funcs judge it is also that reward source (each answer against the row's "
                            "reference answer)."})),
         ("rl", RLArgs, piece(RLArgs, only=("top_k", "generation_backend"))),
+        ("vllm", VLLMArgs, dataclasses.field(default_factory=VLLMArgs)),
     ])
 
 
@@ -69,9 +70,9 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
                            "max_eval_rows", "seed", "progress", "baseline", "num_samples", "reward_model",
                            "reward_funcs", "reward_weights", "judge_model", "judge_max_new_tokens",
                            "judge_system_prompt", "overlong_buffer", "overlong_factor", "max_new_tokens",
-                           "temperature", "top_p", "top_k", "generation_backend"}),
+                           "temperature", "top_p", "top_k", "generation_backend", *VLLM_FLAGS}),
     "--judge": frozenset({"judge", "data", "votes", "max_new_tokens", "temperature", "top_p", "seed",
-                          "judge_system_prompt", "progress"}),
+                          "judge_system_prompt", "progress", "generation_backend"}),
 }
 EVERY_MODE = frozenset({"model", "output", "batch_size", "dtype", "trust_remote_code"})
 
@@ -93,6 +94,7 @@ def refuse(given: dict[str, str], mode: str) -> None:
 def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     """--step 3's settings that do nothing with the chosen reward sources and models."""
     from dschat.evaluation.saved_policy import reward_sources  # torch: imported when the command runs
+    from dschat.rlhf.config import vllm_inert
 
     names, r = reward_sources(cfg.rewards), cfg.rewards
     inert = {}
@@ -106,6 +108,7 @@ def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
         inert["reward_model"] = "without the reward source 'rm' in --reward-funcs"
     if not names:
         inert["reward_weights"] = "without a reward source"
+    inert.update(vllm_inert(cfg.rl.generation_backend))
     for name, why in sorted(inert.items()):
         if name in given:
             raise UserError(f"{given[name]} has no effect {why}")
@@ -148,7 +151,7 @@ def eval_command(step: int, judge: bool, model: str, baseline: str, num_samples:
         raise UserError("--batch-size must be at least 1")
     if judge:
         s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p,
-                         batch_size=batch_size, seed=seed)
+                         batch_size=batch_size, seed=seed, backend=shared["generation_backend"])
         metrics = evaluate_judge_files(model, _need_data(shared, mode), s, shared["judge_system_prompt"],
                                        shared["dtype"], shared["trust_remote_code"], progress=progress, log=log)
         print_judge_metrics(metrics)

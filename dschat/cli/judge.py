@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from dschat.config import BACKENDS
 from dschat.devices import DTYPES
 from dschat.errors import UserError
 from dschat.prompts import read_system_prompt
@@ -77,15 +78,19 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
               help="auto = fp32 on CPU, bf16 (else fp16) on CUDA.")
 @click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
+@click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
+              default="auto", show_default=True,
+              help="What samples the judge's completions: auto = vLLM on a GPU where it is installed, else HF "
+                   "generate; vllm, dschat, compiled, hf.")
 def judge_command(model: str, question: str, answer_a: str, answer_b: str, system_prompt: str, votes: int,
                   max_new_tokens: int, temperature: float, top_p: float, seed: int, dtype: str,
-                  trust_remote_code: bool) -> None:
+                  trust_remote_code: bool, generation_backend: str) -> None:
     """Ask a judge which of two answers is better: prints its reasoning, then `verdict: A|B|unparseable`."""
     for name, text in (("--question", question), ("--answer-a", answer_a), ("--answer-b", answer_b)):
         if not text.strip():
             raise UserError(f"{name} is empty")
     s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p, seed=seed,
-                     batch_size=1)
+                     batch_size=1, backend=generation_backend)
     s.check()
     system = read_system_prompt(system_prompt) if system_prompt else None
     lm, tok, limit = load_judge(model, dtype, trust_remote_code=trust_remote_code)

@@ -207,9 +207,13 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     tick = bar.update if bar is not None else None
 
     def sample(models: Models) -> list[dict[str, Any]]:
-        hybrid = make_hybrid_engine(models.actor, tok, False, rl.generation_backend)
-        return [evaluate(models, hybrid, loader, gen, rl.temperature, cfg.run.seed + j * SAMPLE_SEED_STRIDE,
-                         scorer, detail=True, tick=tick) for j in range(num_samples)]
+        hybrid = make_hybrid_engine(models.actor, tok, False, rl.generation_backend, cfg.vllm,
+                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
+        try:
+            return [evaluate(models, hybrid, loader, gen, rl.temperature, cfg.run.seed + j * SAMPLE_SEED_STRIDE,
+                             scorer, detail=True, tick=tick) for j in range(num_samples)]
+        finally:
+            hybrid.close()  # one vLLM engine at a time: the baseline's comes next
 
     try:
         runs = {"policy": sample(as_policy)}

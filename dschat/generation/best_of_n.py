@@ -35,9 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dschat.config import DataArgs, ModelArgs, RunArgs, arg, piece, to_flat_dict
+from dschat.config import DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
-from dschat.rlhf.config import RewardArgs, RLArgs, check_reward_data, check_reward_models, reward_settings_inert
+from dschat.rlhf.config import (
+    RewardArgs,
+    RLArgs,
+    check_reward_data,
+    check_reward_models,
+    reward_settings_inert,
+    vllm_inert,
+)
 from dschat.rlhf.rollout import completion_texts, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import JUDGE, RM
 
@@ -85,6 +92,7 @@ class GenerateConfig:
     rl: RLArgs = piece(RLArgs, only=("per_device_generation_batch_size", "max_answer_seq_len", "temperature",
                                      "top_p", "top_k", "generation_backend"), help={
         "per_device_generation_batch_size": "Prompts per generation batch, each sampled --num-samples times."})
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
     rewards: RewardArgs = piece(RewardArgs, help={
         "reward_funcs": "Reward source (repeatable): rm (the reward model's end score), format, accuracy, judge_match, "
                         "overlong, judge (a generative judge), or path/to/file.py:function. Default: rm with "
@@ -107,6 +115,7 @@ class GenerateConfig:
             out["reward_model"] = "without the reward source 'rm' in --reward-funcs"
         if not names:
             out["reward_weights"] = "without a reward source (--reward-model, --reward-funcs or --judge-model)"
+        out.update(vllm_inert(self.rl.generation_backend))
         return out
 
 
@@ -415,7 +424,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         # the model to sample from, and the reward sources (frozen, on this process's device)
         dtype = resolve_dtype(cfg.model.dtype)
         models = frozen_models(model_path, tok, dtype, reward_path, trust_remote_code=cfg.model.trust_remote_code)
-        hybrid = make_hybrid_engine(models.actor, tok, requested=False, backend=rl.generation_backend)
+        hybrid = make_hybrid_engine(models.actor, tok, requested=False, backend=rl.generation_backend, vllm=cfg.vllm,
+                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
         scorer = build_scorer(cfg, models) if names else None
         gen = GenerationConfig.from_flags(rl)
         collator = DataCollatorRLHF(tok.pad_token_id)
@@ -449,6 +459,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         finally:
             if bar is not None:
                 bar.close()
+            hybrid.close()
         summary = {"output": str(out.path), "prompts": len(rows), "num_samples": N, **summarize(counts, g.keep),
                    "seconds_this_run": round(time.time() - t0, 1), **data_counts}
         out.finish(summary)

@@ -132,7 +132,7 @@ class Chatbot:
 
     def __init__(self, model: Any, tokenizer: Any, device: Any, *, max_new_tokens: int, greedy: bool,
                  temperature: float, top_p: float, top_k: int, repetition_penalty: float,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], backend: str = "auto"):
         from dschat.models.loading import max_positions  # torch: imported when a chat starts
 
         self.model, self.tokenizer, self.device, self.log = model, tokenizer, device, log
@@ -143,14 +143,15 @@ class Chatbot:
         if self.budget is not None and self.budget < 1:
             raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt: the model takes "
                             f"{limit} positions in all")
-        from dschat.generation.decode import GenerationConfig, make_backend
+        from dschat.generation.backends import make_backend
+        from dschat.generation.decode import GenerationConfig
 
         sample = not greedy and temperature > 0
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature,
                                            top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
-        # HF's generate as the backend: it reads the rest of the model's own generation config (several EOS ids:
-        # end of turn and end of text, where a chat model lists both).
-        self.backend = make_backend("hf")
+        # auto: vLLM on a GPU, else HF's generate, which reads the rest of the model's own generation config. EOS
+        # ids come from that config either way (end of turn and end of text, where a chat model lists both).
+        self.backend = make_backend(backend, model, fallback="hf")
         own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = own if own is not None else tokenizer.eos_token_id
 

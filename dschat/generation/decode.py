@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from dschat.data.packing import prompt_ids
 
-BACKENDS = ("auto", "dschat", "compiled", "hf")
 # torch's own linear. ZeRO-3's zero.Init replaces torch.nn.functional.linear, process-wide and for good, with a
 # memory-saving autograd function (DeepSpeed's "memory_efficient_linear"); under no_grad it is only overhead:
 # Python signature binding per call and a broadcast matmul in place of addmm, which slows decoding down markedly.
@@ -85,6 +84,9 @@ class SamplingFlags(Protocol):
 class Generated:
     sequences: torch.Tensor  # (B, P + A): prompts as given, then the answers (pad after each row's EOS)
     logprobs: torch.Tensor | None = None  # (B, A) float32 log-prob of each answer token (0 after EOS)
+    # (B, A) float32: a serving engine's own log-probs of the answer tokens (vLLM: under the distribution it sampled
+    # from), for the importance-sampling correction; never used as the trainer's log-probs
+    engine_logprobs: torch.Tensor | None = None
 
 
 class Backend(Protocol):
@@ -610,11 +612,3 @@ def _stop_when(on_token: Callable[[torch.Tensor], bool]) -> Any:
             return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([OnToken()])
-
-
-def make_backend(name: str) -> Backend:
-    """``auto`` and ``dschat`` are our loop, ``compiled`` the same with its per-token step compiled; ``hf`` is
-    transformers' ``generate``."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown generation backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return HFBackend() if name == "hf" else DschatBackend(compiled=name == "compiled")

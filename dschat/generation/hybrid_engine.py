@@ -4,6 +4,8 @@ Two paths:
 
 * DeepSpeed's own hybrid engine (``--enable-hybrid-engine``), which swaps in CUDA inference kernels. It exists
   only on CUDA for supported architectures; elsewhere dschat says so once and uses the fallback.
+* vLLM (``--generation-backend vllm``, or ``auto`` on a GPU with vLLM installed): a colocated engine that holds its
+  own copy of the weights, pushed and checked after every optimizer step (``dschat.generation.vllm_engine``).
 * The fallback, correct everywhere: eval mode (no dropout) and a KV-cache decode loop (``dschat.generation.decode``:
   dschat's own loop by default, or HF ``generate``) on the actor's module, with ZeRO-3 parameters gathered once
   for the whole call (a per-token gather would cost a collective per layer per token), then back to training
@@ -19,7 +21,8 @@ from typing import Any
 import torch
 
 from dschat import engine as E
-from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend, make_backend
+from dschat.generation.backends import make_backend
+from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend
 
 
 def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
@@ -37,13 +40,30 @@ class HybridEngine:
     """Wraps the actor engine: ``generate`` in inference mode, training everywhere else."""
 
     def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False,
-                 backend: str | Backend = "auto"):
+                 backend: str | Backend = "auto", vllm: Any = None, max_model_len: int | None = None):
         self.actor = actor
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.use_deepspeed = use_deepspeed
-        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        self.backend = (make_backend(backend, E.unwrap(actor), vllm, max_model_len) if isinstance(backend, str)
+                        else backend)
         self.last_generate_seconds = 0.0
+
+    def sync_metrics(self) -> dict[str, float]:
+        """What the last weight sync measured (vLLM: ``sync/max_logprob_diff``, ``time/sync_s``), once: empty when
+        no sync happened since the last call or the backend samples from the actor's own weights."""
+        last = getattr(self.backend, "last", None) or {}
+        out = {k: v for k, v in last.items() if k.startswith(("sync/", "time/sync", "time/probe"))}
+        if last:
+            for k in out:
+                last.pop(k)
+        return out
+
+    def close(self) -> None:
+        """Shut a serving engine down (vLLM: before torch.distributed is torn down); a no-op otherwise."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -64,7 +84,10 @@ class HybridEngine:
             rng = torch.random.get_rng_state()
             torch.manual_seed(generator_seed)
         try:
-            if self.use_deepspeed:
+            if getattr(self.backend, "owns_weights", False):  # vLLM: syncs the weights it lacks, then samples
+                out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,  # type: ignore
+                                            self.pad_token_id, engine=self.actor)
+            elif self.use_deepspeed:
                 self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
                 out = HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
                                            self.pad_token_id)
@@ -89,7 +112,10 @@ class HybridEngine:
         return self.sample(prompt, prompt_mask, config, generator_seed).sequences
 
 
-def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str = "auto") -> HybridEngine:
+def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str = "auto", vllm: Any = None,
+                       max_model_len: int | None = None) -> HybridEngine:
+    """The generation path for ``actor``: DeepSpeed's hybrid engine when ``requested`` and supported, else the
+    ``backend`` (``vllm`` its ``VLLMArgs``; ``max_model_len`` the longest prompt plus answer, for vLLM)."""
     use = False
     if requested:
         ok, why = deepspeed_hybrid_supported(E.unwrap(actor))
@@ -97,4 +123,5 @@ def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str
         if not use and E.is_main():
             print(f"[hybrid engine] {why or 'actor engine was not built as a hybrid engine'}; "
                   "using eval-mode KV-cache generation with one ZeRO-3 gather per call", file=sys.stderr)
-    return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use, backend=backend)
+    return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use, backend=backend,
+                        vllm=vllm, max_model_len=max_model_len)

@@ -195,6 +195,7 @@ class SamplingArgs:
     top_p: float = 1.0
     batch_size: int = 16
     seed: int = 1234
+    backend: str = "auto"  # --generation-backend: auto = vLLM on a GPU where installed, else HF generate
 
     def check(self) -> None:
         if self.votes < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -231,15 +232,16 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     import torch
 
     from dschat.data.collators import pad_sequences  # torch, as above
-    from dschat.generation.decode import GenerationConfig, decode_answers, make_backend
+    from dschat.generation.backends import make_backend
+    from dschat.generation.decode import GenerationConfig, decode_answers
 
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out: list[list[str]] = [[] for _ in prompt_ids]
     sample = s.votes > 1
-    # HF's generate as the backend: a judge's verdicts stay those it has always given. A prompt's votes are its
-    # row repeated, as ``num_return_sequences`` would expand it.
-    backend = make_backend("hf")
+    # Off a GPU, HF's generate as the backend (auto): a judge's verdicts stay those it has always given. A prompt's
+    # votes are its row repeated, as ``num_return_sequences`` would expand it.
+    backend = make_backend(s.backend, model, fallback="hf")
     gen = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=sample, temperature=s.temperature,
                            top_p=s.top_p, top_k=0)
     batches = [order[i: i + s.batch_size] for i in range(0, len(order), s.batch_size)]
@@ -265,6 +267,9 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
             model.train()
         if bar is not None:
             bar.close()
+        close = getattr(backend, "close", None)  # a vLLM engine lives for this call
+        if close is not None:
+            close()
     return out
 
 
@@ -414,7 +419,9 @@ def load_judge_reward(model: str, max_new_tokens: int = 128, system_prompt_file:
     from dschat import engine as E  # deepspeed: imported only when a run uses a judge
 
     lm, tok, limit = load_judge(model, dtype, E.device(), trust_remote_code)
-    s = SamplingArgs(max_new_tokens=max_new_tokens, votes=1, batch_size=batch_size)
+    # HF's generate: the run's --generation-backend names the actor's sampler, and a second vLLM engine in the
+    # process would compete with it for memory
+    s = SamplingArgs(max_new_tokens=max_new_tokens, votes=1, batch_size=batch_size, backend="hf")
     budget = prompt_budget(limit, max_new_tokens)
     system = read_system_prompt(system_prompt_file) if system_prompt_file else None
 

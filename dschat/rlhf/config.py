@@ -10,9 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.config import DataArgs, EngineArgs, LoraArgs, ModelArgs, OptimArgs, RunArgs, arg, flag_specs, merged, piece
+from dschat.config import (
+    VLLM_FLAGS,
+    DataArgs,
+    EngineArgs,
+    LoraArgs,
+    ModelArgs,
+    OptimArgs,
+    RunArgs,
+    VLLMArgs,
+    arg,
+    flag_specs,
+    merged,
+    piece,
+)
 from dschat.errors import UserError
-from dschat.generation.decode import BACKENDS, LEAN_MODEL_TYPES
+from dschat.generation.backends import BACKENDS, resolve_backend
+from dschat.generation.decode import LEAN_MODEL_TYPES
+from dschat.generation.vllm_engine import require_vllm
 from dschat.models.loading import local_model_type
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
@@ -45,13 +60,22 @@ class RLArgs:
                                "smaller standard error.", low=1)
     enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
-    generation_backend: str = arg("auto", "Decode loop of the fallback: dschat (our loop: a preallocated KV cache, "
-                                          "a lean per-token forward for Llama-architecture models, the sampling "
-                                          "pass's log-probs reused as PPO's old log-probs in fp32), compiled "
-                                          "(the same loop with its per-token step compiled by torch.compile: "
-                                          "Llama-architecture models, tens of seconds to compile on first use, "
-                                          "samples may differ from hf's in near-ties), hf (transformers' "
-                                          "generate); auto = dschat.", choices=BACKENDS)
+    generation_backend: str = arg("auto", "What samples: vllm (a vLLM engine beside the actor, weights pushed and "
+                                          "checked after every update; pip install -r requirements-vllm.txt), "
+                                          "dschat (our loop: a preallocated KV cache, a lean per-token forward "
+                                          "for Llama-architecture models, the sampling pass's log-probs reused as "
+                                          "PPO's old log-probs in fp32), compiled (the same loop with its per-token "
+                                          "step compiled by torch.compile: Llama-architecture models, tens of "
+                                          "seconds to compile on first use), hf (transformers' generate); auto = "
+                                          "vllm on a GPU where it is installed and runs the model, else dschat.",
+                                  choices=BACKENDS)
+    vllm_importance_sampling: str = arg("token", "Correction for the gap between vLLM's sampling log-probs and the "
+                                                 "trainer's: each token's policy loss (token) or each answer's "
+                                                 "(sequence) weighed by exp(trainer - vLLM log-prob), truncated at "
+                                                 "--vllm-importance-sampling-cap; none: no weights.",
+                                        choices=("none", "token", "sequence"))
+    vllm_importance_sampling_cap: float = arg(2.0, "Largest importance weight of --vllm-importance-sampling.",
+                                              above=0)
 
 
 @dataclass
@@ -91,6 +115,34 @@ class RLEngineArgs:
         return {} if self.enable_ema else {"ema_decay": "without {enable_ema}"}
 
 
+def vllm_inert(backend: str, with_training: bool = False) -> dict[str, str]:
+    """The vLLM settings when vLLM does not sample (``--generation-backend`` other than vllm; auto off a GPU), and
+    on a CPU the GPU-only ones. ``with_training``: the command trains (stage 3), so the correction and sleep flags
+    exist."""
+    names = list(VLLM_FLAGS)
+    if with_training:
+        names += ["vllm_importance_sampling", "vllm_importance_sampling_cap"]
+    if resolve_backend(backend) != "vllm" and not (backend == "auto" and _vllm_on_gpu()):
+        return {n: f"without --generation-backend vllm (here: {resolve_backend(backend)})" for n in names}
+    import torch
+
+    out = {} if with_training else {"vllm_enable_sleep": "without training (nothing to give the memory back to)"}
+    if torch.cuda.is_available():
+        out["vllm_kv_cache_memory"] = "on a GPU (it sizes the KV cache with --vllm-gpu-memory-utilization)"
+    else:
+        out.update({n: "on a CPU" for n in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                                             "vllm_enable_sleep")})
+    return out
+
+
+def _vllm_on_gpu() -> bool:
+    import torch
+
+    from dschat.generation.vllm_engine import vllm_installed
+
+    return torch.cuda.is_available() and vllm_installed()
+
+
 def reward_settings_inert(names: list[str]) -> dict[str, str]:
     """Settings of the reward sources 'judge' and 'overlong' (``RewardArgs``) when ``names`` has no such source."""
     out: dict[str, str] = {}
@@ -111,6 +163,7 @@ def _model(who: str, help_model: str) -> Any:
 @dataclass
 class RLHFConfig:
     rl: RLArgs = field(default_factory=RLArgs)
+    vllm: VLLMArgs = field(default_factory=VLLMArgs)
     actor: ModelArgs = _model("actor", "Actor initialisation: a step-1 output (…/model) or any model name "
                                        "('--model' works too, as in the other stages).")
     critic: ModelArgs = _model("critic", "Critic initialisation (default: the reward model).")
@@ -156,6 +209,7 @@ class RLHFConfig:
                if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
         out.update(self.algorithm.inert_flags(self))
         out.update(reward_settings_inert(self.reward_func_names()))
+        out.update(vllm_inert(self.rl.generation_backend, with_training=True))
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
         return out
@@ -180,6 +234,10 @@ def check_config(cfg: RLHFConfig) -> None:
     if not cfg.actor.model:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
     check_reward_models(cfg.reward_func_names(), cfg.rewards)
+    if cfg.rl.generation_backend == "vllm":
+        require_vllm()
+        if cfg.rl.enable_hybrid_engine:
+            raise UserError("--enable-hybrid-engine and --generation-backend vllm both name what samples; pick one")
     if cfg.rl.generation_backend == "compiled":
         if cfg.actor_lora.lora_dim > 0:
             raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its "

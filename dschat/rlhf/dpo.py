@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.config import arg
+from dschat.config import VLLM_FLAGS, arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
 from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
 from dschat.errors import UserError
@@ -38,6 +38,12 @@ from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_
 LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
 EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
              "logps_rejected", "logratio", "eval_pairs")
+
+
+def no_importance_sampling(algo: str) -> dict[str, str]:
+    """The vLLM importance-sampling flags under an algorithm without a policy-gradient loss to weigh."""
+    return {n: f"with --algo {algo} (no policy-gradient loss to weigh)"
+            for n in ("vllm_importance_sampling", "vllm_importance_sampling_cap")}
 
 
 @dataclass
@@ -239,7 +245,9 @@ class DPO:
         if not DPO.reward_func_names(cfg):
             why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
             out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len", "eval_samples",
-                                         "enable_hybrid_engine", "generation_backend", "reward_weights")})
+                                         "enable_hybrid_engine", "generation_backend", "reward_weights",
+                                         *VLLM_FLAGS)})
+        out.update(no_importance_sampling("dpo"))
         if cfg.dpo.dpo_loss_type == "simpo":
             out.update({n: "with --dpo-loss-type simpo (no reference)"
                         for n in ("reference_zero_stage", "offload_reference_model")})

@@ -32,6 +32,7 @@ from dschat.rlhf.rollout import (
     behaviour_logprobs,
     concat_rollouts,
     generate_rollout,
+    importance_weights,
     repeat_prompts,
 )
 from dschat.rlhf.scoring import Scorer
@@ -320,12 +321,15 @@ class GRPO(OnPolicy):
             for mb, normalizer in zip(mbs, normalizers, strict=True):
                 logprobs = answer_logprobs(actor, mb.rollout, rl.temperature)
                 old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+                weights, gap = importance_weights(mb.rollout, old, rl.vllm_importance_sampling,
+                                                  rl.vllm_importance_sampling_cap)
                 out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon,
                                          self.eps_high, self.loss_type,  # type: ignore[arg-type]
                                          ref_logprobs=mb.ref_logprobs,
                                          beta=self.beta if mb.ref_logprobs is not None else 0.0,
                                          kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
-                                         max_completion_length=rl.max_answer_seq_len, normalizer=normalizer)
+                                         max_completion_length=rl.max_answer_seq_len, normalizer=normalizer,
+                                         weights=weights)
                 step_actor(actor, out.loss, self.ema)
                 stats = {"train/actor_loss": out.loss, "train/clip_ratio_low": out.clip_ratio_low,
                          "train/clip_ratio_high": out.clip_ratio_high, "train/clip_ratio": out.clip_ratio}
@@ -333,6 +337,8 @@ class GRPO(OnPolicy):
                     stats["train/kl"] = out.kl
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value.item())
+                for key, value in gap.items():
+                    sums[key] = sums.get(key, 0.0) + value
                 n += 1
         local = torch.tensor([sums[k] / max(n, 1) for k in sorted(sums)])
         return dict(zip(sorted(sums), E.all_reduce_mean(local).tolist(), strict=True))

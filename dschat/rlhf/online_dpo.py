@@ -33,7 +33,15 @@ from dschat.data.phases import pairs_of
 from dschat.errors import UserError
 from dschat.generation.hybrid_engine import HybridEngine
 from dschat.rewards.functions import RM
-from dschat.rlhf.dpo import DPO, DataCollatorPairs, implicit_eval, implicit_summary, pair_loss, pair_stats
+from dschat.rlhf.dpo import (
+    DPO,
+    DataCollatorPairs,
+    implicit_eval,
+    implicit_summary,
+    no_importance_sampling,
+    pair_loss,
+    pair_stats,
+)
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
@@ -70,10 +78,11 @@ class OnlineDPO(OnPolicy):
 
     @staticmethod
     def inert_flags(cfg: Any) -> dict[str, str]:
-        if cfg.dpo.dpo_loss_type != "simpo":
-            return {}
-        return {n: "with --dpo-loss-type simpo (no reference)"
-                for n in ("reference_zero_stage", "offload_reference_model")}
+        out = no_importance_sampling("online_dpo")
+        if cfg.dpo.dpo_loss_type == "simpo":
+            out.update({n: "with --dpo-loss-type simpo (no reference)"
+                        for n in ("reference_zero_stage", "offload_reference_model")})
+        return out
 
     @staticmethod
     def check_config(cfg: Any) -> None:

@@ -30,6 +30,7 @@ from dschat.rlhf.rollout import (
     behaviour_logprobs,
     concat_rollouts,
     generate_rollout,
+    importance_weights,
     pad_right,
 )
 from dschat.rlhf.scoring import Scorer
@@ -219,7 +220,11 @@ class PPO(OnPolicy):
             for mb in exp.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle):
                 mask = mb.rollout.action_mask
                 logprobs = answer_logprobs(m.actor, mb.rollout, self.cfg.rl.temperature)
-                actor = L.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, p.cliprange)
+                weights, gap = importance_weights(mb.rollout, mb.old_logprobs, self.cfg.rl.vllm_importance_sampling,
+                                                  self.cfg.rl.vllm_importance_sampling_cap)
+                actor = L.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, p.cliprange, weights)
+                for key, value in gap.items():
+                    sums[key] = sums.get(key, 0.0) + value
                 steps_before = m.actor.global_steps
                 m.actor.backward(actor.loss)
                 m.actor.step()

@@ -44,6 +44,8 @@ class Rollout:
     prompt_len: int
     reached_eos: torch.Tensor  # (B,) bool
     logprobs: torch.Tensor | None = None  # (B, A) the sampling pass's log-probs of the answer tokens, if known
+    # (B, A) a serving engine's log-probs of the answer tokens (vLLM), for the importance-sampling correction only
+    engine_logprobs: torch.Tensor | None = None
 
     @property
     def answer_lengths(self) -> torch.Tensor:
@@ -51,12 +53,14 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> Rollout:
         return Rollout(self.sequences[idx], self.attention_mask[idx], self.action_mask[idx], self.prompt_len,
-                       self.reached_eos[idx], None if self.logprobs is None else self.logprobs[idx])
+                       self.reached_eos[idx], None if self.logprobs is None else self.logprobs[idx],
+                       None if self.engine_logprobs is None else self.engine_logprobs[idx])
 
 
 def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, eos_token_id: int,
                  pad_token_id: int, min_answer_len: int = 2,
-                 logprobs: torch.Tensor | None = None) -> tuple[Rollout, int]:
+                 logprobs: torch.Tensor | None = None,
+                 engine_logprobs: torch.Tensor | None = None) -> tuple[Rollout, int]:
     """Mask everything after each answer's first EOS; answers shorter than ``min_answer_len`` get an all-zero
     action mask (dropped from every loss and count) rather than removed, so batch shapes stay equal on all
     ranks. Returns the rollout and the number of answers dropped."""
@@ -73,7 +77,9 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
     mask = torch.cat([prompt_mask.long(), action_mask], dim=1)
     if logprobs is not None:
         logprobs = logprobs.float().masked_fill(action_mask == 0, 0.0)  # 0 where masked, as answer_logprobs gives
-    return Rollout(seq, mask, action_mask, P, reached_eos, logprobs), int(short.sum())
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs.float().masked_fill(action_mask == 0, 0.0)
+    return Rollout(seq, mask, action_mask, P, reached_eos, logprobs, engine_logprobs), int(short.sum())
 
 
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
@@ -155,6 +161,46 @@ def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -
     return answer_logprobs(model, rollout, temperature)
 
 
+def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: str,
+                       cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Truncated importance weights for answers a serving engine sampled (docs/algorithms.md, Sampling on vLLM).
+
+    The engine samples from its own numerics (other kernels, other precision), so its distribution ``q`` is not
+    exactly the trainer's ``p`` that the loss assumes. Weighing each token's policy loss by
+    ``w_t = min(exp(log p_t - log q_t), cap)`` (``token``), or each answer's by
+    ``min(exp(sum_t (log p_t - log q_t)), cap)`` (``sequence``), corrects the gradient toward ``p``'s, with the
+    truncation bounding the variance (Yao et al. 2025, truncated importance sampling).
+
+    Args:
+        rollout: with ``engine_logprobs`` ``(B, A)``; without them (our own decoder) there is no gap: ``None``.
+        trainer_logprobs: ``(B, A)`` the trainer's log-probs of the same tokens under the sampling policy.
+        mode: ``none | token | sequence``.
+
+    Returns:
+        ``(B, A)`` weights (1 off the action mask) or None, and the gap's metrics (``vllm/*``), logged whether or
+        not the weights are used.
+    """
+    q = rollout.engine_logprobs
+    if q is None:
+        return None, {}
+    mask = rollout.action_mask.bool()
+    gap = (trainer_logprobs.detach().float() - q.to(trainer_logprobs.device)).masked_fill(~mask, 0.0)
+    n = mask.sum().clamp(min=1)
+    stats = {"vllm/logprob_diff_mean": float(gap.abs().sum() / n), "vllm/logprob_diff_max": float(gap.abs().max())}
+    if mode == "none":
+        return None, stats
+    if mode == "token":
+        raw = torch.exp(gap)
+    elif mode == "sequence":
+        raw = torch.exp(gap.sum(-1, keepdim=True)).expand_as(gap)
+    else:
+        raise ValueError(f"unknown importance sampling mode {mode!r}")
+    weights = raw.clamp(max=cap).masked_fill(~mask, 1.0)
+    stats.update({"vllm/is_weight_mean": float(weights[mask].mean()) if mask.any() else 1.0,
+                  "vllm/is_clipped_frac": float((raw[mask] > cap).float().mean()) if mask.any() else 0.0})
+    return weights, stats
+
+
 def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
     """Critic values ``(B, A)`` of the state before each answer token."""
     values = critic(rollout.sequences, rollout.attention_mask, positions_from_mask(rollout.attention_mask))
@@ -167,7 +213,8 @@ def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: An
     every algorithm's rollouts and evaluation come from here."""
     out = hybrid.sample(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
     return make_rollout(batch["prompt"], batch["prompt_att_mask"], out.sequences, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, min_answer_len=min_answer_len, logprobs=out.logprobs)
+                        tokenizer.pad_token_id, min_answer_len=min_answer_len, logprobs=out.logprobs,
+                        engine_logprobs=out.engine_logprobs)
 
 
 def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
@@ -193,13 +240,15 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     A = max(r.action_mask.shape[1] for r in parts)
     seq, mask, amask = [], [], []
     logps = [pad_right(r.logprobs, A, 0.0) for r in parts if r.logprobs is not None]
+    engine = [pad_right(r.engine_logprobs, A, 0.0) for r in parts if r.engine_logprobs is not None]
     for r in parts:
         lp, ra = P - r.prompt_len, A - r.action_mask.shape[1]
         seq.append(torch.nn.functional.pad(r.sequences, (lp, ra), value=pad_token_id))
         mask.append(torch.nn.functional.pad(r.attention_mask, (lp, ra), value=0))
         amask.append(pad_right(r.action_mask, A, 0))
     return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]),
-                   torch.cat(logps) if len(logps) == len(parts) else None)
+                   torch.cat(logps) if len(logps) == len(parts) else None,
+                   torch.cat(engine) if len(engine) == len(parts) else None)
 
 
 def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],

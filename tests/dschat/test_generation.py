@@ -300,7 +300,7 @@ def test_compiled_backend_matches_the_eager_loop():
     sampled tokens and their log-probs from the same seed equal to float rounding; a model the lean step cannot run
     is refused with one line."""
     from dschat.errors import UserError
-    from dschat.generation.decode import make_backend
+    from dschat.generation.backends import make_backend
 
     model = model_of("llama_gqa_rope3")
     ids, mask = prompts()
