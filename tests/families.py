@@ -181,8 +181,8 @@ def _tokenizer_specials(family: str, tight: bool) -> tuple[Any, dict[str, Any]]:
     raise ValueError(family)
 
 
-def _config(family: str, tok: Any, tight: bool = False) -> Any:
-    config = _family_config(family, tok)
+def _config(family: str, tok: Any, tight: bool = False, heads: int = 4) -> Any:
+    config = _family_config(family, tok, heads)
     if tight:  # exactly the tokenizer's rows; the model pads with EOS, as its tokenizer does
         config.vocab_size = len(tok)
         eos = tok.convert_tokens_to_ids(tok.eos_token)
@@ -191,22 +191,22 @@ def _config(family: str, tok: Any, tight: bool = False) -> Any:
     return config
 
 
-def _family_config(family: str, tok: Any) -> Any:
+def _family_config(family: str, tok: Any, heads: int = 4) -> Any:
     import transformers as T
 
     ids = {k: tok.convert_tokens_to_ids(getattr(tok, k.replace("_id", ""))) if getattr(tok, k.replace("_id", ""))
            else None for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": heads, "intermediate_size": 128,
              "max_position_embeddings": 256}
     n = len(tok)
     if family == "qwen2":  # Qwen2.5 rounds the embedding up past the tokenizer (spare rows) and ties it
         return T.Qwen2Config(vocab_size=(n + 63) // 64 * 64, num_key_value_heads=2, tie_word_embeddings=True,
                              bos_token_id=ids["eos_token_id"], eos_token_id=ids["eos_token_id"], **small)
     if family == "gpt2":
-        return T.GPT2Config(vocab_size=n, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+        return T.GPT2Config(vocab_size=n, n_embd=64, n_layer=2, n_head=heads, n_positions=256,
                             bos_token_id=ids["eos_token_id"], eos_token_id=ids["eos_token_id"])
     if family == "opt":
-        return T.OPTConfig(vocab_size=n, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+        return T.OPTConfig(vocab_size=n, hidden_size=64, num_hidden_layers=2, num_attention_heads=heads, ffn_dim=128,
                            word_embed_proj_dim=64, max_position_embeddings=256, pad_token_id=1, bos_token_id=2,
                            eos_token_id=2)
     if family == "llama3":
@@ -216,14 +216,14 @@ def _family_config(family: str, tok: Any) -> Any:
         return T.MistralConfig(vocab_size=n, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False,
                                bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], **small)
     if family == "gemma2":
-        return T.Gemma2Config(vocab_size=n, num_key_value_heads=2, head_dim=16, sliding_window=128,
+        return T.Gemma2Config(vocab_size=n, num_key_value_heads=2, head_dim=64 // heads, sliding_window=128,
                               pad_token_id=0, eos_token_id=1, bos_token_id=2, **small)
     raise ValueError(family)
 
 
-def build_family(family: str, folder: str | Path) -> Path:
+def build_family(family: str, folder: str | Path, heads: int = 4) -> Path:
     """A causal-LM folder of ``family`` (or ``family-tight``) under ``folder`` (the ``tiny`` preset for
-    ``llama_sp``)."""
+    ``llama_sp``). ``heads`` 2 gives 32-wide heads, the narrowest vLLM's CPU attention runs (4 gives 16)."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -231,14 +231,14 @@ def build_family(family: str, folder: str | Path) -> Path:
         from dschat.models.loading import resolve_model
 
         return Path(resolve_model("tiny"))
-    out = Path(folder) / family
+    out = Path(folder) / (family if heads == 4 else f"{family}-h{heads}")
     if (out / "config.json").exists():
         return out
     name, _, variant = family.partition("-")
     tight = variant == "tight"
     raw, kwargs = _tokenizer(name, tight)
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, model_max_length=256, **kwargs)
-    config = _config(name, tok, tight)
+    config = _config(name, tok, tight, heads)
     rng = torch.random.get_rng_state()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)

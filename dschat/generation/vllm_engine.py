@@ -16,9 +16,10 @@ module and its optimizer step count):
    sum and sum of squares in float64) is taken of what leaves the trainer and of what the worker receives, and
    must agree. A sync that does not finish within ``--sync-timeout`` seconds stops the process with one line.
 2. Reset the prefix cache: blocks cached from earlier prompts hold the old weights' keys and values.
-3. Probe: a fixed prompt one KV-cache block and 16 tokens long (its first block is cached, so a stale prefix
-   cache would be read) and 8 sampled tokens; the engine's log-probs of those tokens against the actor's own forward. ``sync/max_logprob_diff`` is
-   logged; past ``--sync-tolerance`` the run stops with one line (``WeightSyncError``).
+3. Probe: a fixed prompt one KV-cache block and 16 tokens long (its first block is cached, so a stale
+   prefix cache would be read) and 8 sampled tokens; the engine's log-probs of those tokens against the
+   actor's own forward. ``sync/max_logprob_diff`` is logged; past ``--sync-tolerance`` the run stops with one
+   line (``WeightSyncError``).
 
 A sync that raised leaves the engine unusable (vLLM's model is half-loaded): it is closed and never sampled from.
 
@@ -63,7 +64,10 @@ def _vllm_env() -> None:
 
 
 def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or hidden install counts as none
+        return False
 
 
 def vllm_version() -> str:
@@ -90,6 +94,16 @@ def supports(module: torch.nn.Module) -> tuple[bool, str]:
     known = set(ModelRegistry.get_supported_archs())
     if archs[0] not in known:
         return False, f"vLLM {vllm_version()} has no implementation of {archs[0]}"
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        c = module.config
+        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
+        width = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if width is not None and width not in sizes:
+            return False, (f"vLLM's CPU attention runs heads {', '.join(map(str, sizes))} wide; this model's are "
+                           f"{width}")
     return True, ""
 
 
@@ -153,7 +167,26 @@ def _receive(worker: Any, items: Iterator[tuple[str, torch.Tensor]]) -> list[flo
             yield name, t
 
     worker.model_runner.reload_weights(weights_iterator=counted())
+    _refresh_cpu_gemms(worker.model_runner.get_model())
     return total.tolist()
+
+
+def _refresh_cpu_gemms(model: torch.nn.Module) -> None:
+    """vLLM's CPU build runs each linear through a GEMM prepared from its weight at load time (``cpu_linear``). An
+    in-place reload prepares it again for every layer that received weights, but not for a tied LM head (Qwen2,
+    GPT-2, OPT: its own module sharing the embedding's parameter, which no checkpoint name reaches), which kept
+    computing logits from the weights of the first load (0.2-0.5 nats off on the probe). The layers that keep their
+    weight beside the prepared GEMM (embeddings and LM heads) are prepared again here; no-op on GPUs."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for layer in model.modules():
+        w = getattr(layer, "weight", None)
+        if hasattr(layer, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() > 0:
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
 
 class _Watchdog:
@@ -233,7 +266,7 @@ class VLLMBackend:
                           enable_sleep_mode=self.args.vllm_enable_sleep)
         else:
             kwargs["kv_cache_memory_bytes"] = self._kv_bytes(config, batch, total)
-        if E.is_distributed():  # each rank its own engine, inside the launcher's process group
+        if E.world_size() > 1:  # each rank its own engine, inside the launcher's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
         rng = torch.random.get_rng_state()  # vLLM seeds the global generator; training's draws must not move
         try:
@@ -290,6 +323,9 @@ class VLLMBackend:
             raise WeightSyncError(f"the vLLM engine is unusable after a failed weight sync ({self.broken})")
         key = _weights_key(module, engine)
         if self.llm is None:
+            ok, why = supports(module)
+            if not ok:
+                raise UserError(f"--generation-backend vllm: {why}; use --generation-backend dschat")
             self._build(module, batch, total)
         if key == self.synced:
             return {}
@@ -306,7 +342,7 @@ class VLLMBackend:
                         sent += _checksum(t)
                         yield name, t
 
-                if self._skip_push:
+                if self._skip_push and self.synced is not None:  # (a test switch: a sync that pushes nothing)
                     for _ in stream():  # every rank still walks the gathers
                         pass
                 else:
@@ -382,6 +418,8 @@ class VLLMBackend:
         B, P = prompt.shape
         self.sync(module, engine, batch=B, total=P + config.max_new_tokens)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        vocab = int(module.config.vocab_size)
+        eos = [e for e in eos if 0 <= e < vocab]  # an id past the vocabulary is never sampled (vLLM refuses it)
         seeds = torch.randint(0, 2**31 - 1, (B,)).tolist()  # from torch's generator: seeded runs repeat
         greedy = not config.do_sample
         params = [SamplingParams(

@@ -1,0 +1,133 @@
+"""Checks of the vLLM backend, each run in a process of its own by ``test_vllm.py`` (vLLM binds threads and replaces
+``torch.set_num_threads`` process-wide, so it stays out of the test process). Prints one JSON line last.
+
+    python -m tests.dschat.vllm_checks greedy FOLDER FAMILY...
+    python -m tests.dschat.vllm_checks sync FOLDER
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _prompts(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from dschat.data.collators import pad_sequences
+
+    ids = [tok(t, add_special_tokens=True)["input_ids"] for t in texts]
+    return pad_sequences(ids, tok.pad_token_id, "left")
+
+
+TEXTS = ["你好，今天天气怎么样？", "My parcel has not arrived and the invoice looks wrong; what now?", "Hi"]
+
+
+def greedy(folder: str, families: list[str]) -> dict[str, Any]:
+    """Greedy answers (16 tokens, stopping at EOS) of vLLM and HF ``generate`` on each family's tiny model."""
+    from dschat.generation.decode import GenerationConfig, HFBackend
+    from dschat.generation.vllm_engine import VLLMBackend, WeightSyncError, supports
+    from dschat.models.loading import create_causal_lm, load_tokenizer
+    from tests.families import build_family
+
+    out: dict[str, Any] = {}
+    for family in families:
+        path = str(build_family(family, folder, heads=2))  # 32-wide heads: vLLM's CPU attention has no 16
+        tok = load_tokenizer(path)
+        model = create_causal_lm(path).eval()
+        ok, why = supports(model)
+        if not ok:
+            out[family] = {"supported": False, "why": why}
+            continue
+        ids, mask = _prompts(tok, TEXTS)
+        gen = GenerationConfig(max_new_tokens=16, do_sample=False)
+        hf = HFBackend().generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
+        backend = VLLMBackend()
+        try:
+            ours = backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
+            diff = backend.last["sync/max_logprob_diff"]
+        except WeightSyncError as e:
+            out[family] = {"supported": True, "equal": False, "error": str(e)}
+            continue
+        finally:
+            backend.close()
+        out[family] = {"supported": True, "equal": ours.tolist() == hf.tolist(), "probe": diff,
+                       "vllm": ours.tolist(), "hf": hf.tolist()}
+    return out
+
+
+class _Steps:
+    """Stands for a DeepSpeed engine's step count: what the backend keys its weights on."""
+
+    global_steps = 0
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor, lr: float) -> None:
+    """One plain SGD step on the LM loss of ``ids`` (every trainable parameter moves)."""
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+    model.eval()
+
+
+def sync(folder: str) -> dict[str, Any]:
+    """After a training step and a sync: the probe and greedy parity with HF; a skipped sync and a sync without the
+    prefix-cache reset are each caught; LoRA (merged into the pushed weights) syncs correctly."""
+    from dschat.config import LoraArgs
+    from dschat.generation.decode import GenerationConfig, HFBackend
+    from dschat.generation.vllm_engine import VLLMBackend, WeightSyncError
+    from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
+
+    path = resolve_model("tiny")
+    tok = load_tokenizer(path)
+    ids, mask = _prompts(tok, TEXTS)
+    gen = GenerationConfig(max_new_tokens=12, do_sample=False)
+    train_ids = torch.tensor([tok("退款什么时候到账？谢谢你的帮助！")["input_ids"]])
+    out: dict[str, Any] = {}
+
+    def run(case: str, lora: bool = False, **switches: Any) -> None:
+        torch.manual_seed(0)
+        model = create_causal_lm(path, lora=LoraArgs(lora_dim=4, lora_alpha=8) if lora else None).eval()
+        steps = _Steps()
+        backend = VLLMBackend(**switches)
+        try:
+            backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=steps)
+            first = backend.last["sync/max_logprob_diff"]
+            for _ in range(2 if lora else 1):  # LoRA: B starts at zero, so the second step moves the merged weights
+                _train_step(model, train_ids, lr=0.5 if lora else 0.05)
+                steps.global_steps += 1
+            row: dict[str, Any] = {"first_probe": first}
+            try:
+                seqs = backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=steps)
+                hf = HFBackend().generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
+                row.update(caught=False, probe=backend.last["sync/max_logprob_diff"],
+                           equal=seqs.sequences.tolist() == hf.tolist())
+            except WeightSyncError as e:
+                row.update(caught=True, message=str(e), broken=backend.broken is not None)
+            out[case] = row
+        finally:
+            backend.close()
+
+    run("synced")
+    run("skipped", skip_sync=True)
+    run("no_prefix_reset", reset_prefix_cache=False)
+    run("lora", lora=True)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    check, folder, *rest = argv
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    result = {"greedy": lambda: greedy(folder, rest), "sync": lambda: sync(folder)}[check]()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
