@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from dschat.config import BACKENDS
 from dschat.demo import demo_files
 from dschat.training.pipeline import PipelineRun, parse_stages, report_lines, run_pipeline
 
@@ -35,9 +36,12 @@ from dschat.training.pipeline import PipelineRun, parse_stages, report_lines, ru
                                                   "are evaluated (default: the demo's held-out file in the demo; "
                                                   "none otherwise, and the evaluation is skipped).")
 @click.option("--eval-args", default="", help="judge: extra `dschat eval --judge` flags, e.g. \"--votes 5\".")
+@click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
+              default=None, help="What samples in the RL stage (its --generation-backend; default: auto, vLLM on a "
+                                 "GPU where installed, else dschat's decoder).")
 def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], output_dir: str, force: bool,
              num_gpus: int | None, hostfile: str | None, sft_args: str, rm_args: str, rl_args: str,
-             eval_data: tuple[str, ...], eval_args: str) -> None:
+             eval_data: tuple[str, ...], eval_args: str, generation_backend: str | None) -> None:
     """Run stages (all = sft,rm,ppo; dpo = sft,rm,dpo; grpo = sft,grpo; judge = sft,judge), each consuming the
     previous checkpoint; report the results.
 
@@ -46,7 +50,7 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
     """
     names = parse_stages(stages)
     demo = model == "tiny" and not data
-    rl = shlex.split(rl_args)
+    rl = shlex.split(rl_args) + (["--generation-backend", generation_backend] if generation_backend else [])
     run = PipelineRun(
         names=names, out=Path(output_dir), model=model, reward_base=reward_base, data=list(data),
         demo=demo_files() if demo else None,

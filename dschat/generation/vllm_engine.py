@@ -299,7 +299,7 @@ class VLLMBackend:
             self._dir = None
 
     def _wake(self) -> None:
-        if self.sleeping:
+        if self.sleeping and self.llm is not None:
             self.llm.wake_up()
             self.sleeping = False
 
@@ -416,6 +416,7 @@ class VLLMBackend:
 
 
         B, P = prompt.shape
+        self._wake()  # asleep since the last sample (GPU): weights and KV cache back before anything runs
         self.sync(module, engine, batch=B, total=P + config.max_new_tokens)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         vocab = int(module.config.vocab_size)

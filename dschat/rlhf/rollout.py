@@ -163,7 +163,7 @@ def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -
 
 def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: str,
                        cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Truncated importance weights for answers a serving engine sampled (docs/algorithms.md, Sampling on vLLM).
+    """Truncated importance weights for answers a serving engine sampled (docs/generation.md, vLLM).
 
     The engine samples from its own numerics (other kernels, other precision), so its distribution ``q`` is not
     exactly the trainer's ``p`` that the loss assumes. Weighing each token's policy loss by
