@@ -315,23 +315,19 @@ def gathered_parameters(module: torch.nn.Module, modifier_rank: int | None = Non
 
     One gather for the whole block: wrap a whole ``generate`` call, never a per-token step.
     """
-    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        yield
-        return
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+    with gathered_params(list(module.parameters()), modifier_rank):
         yield
 
 
 @contextlib.contextmanager
-def gathered_params(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Materialise the given parameters (those ZeRO-3 partitioned) for the block, read-only; a no-op otherwise.
-    For walking a model one parameter (or one layer) at a time."""
+def gathered_params(params: list[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
+    """Materialise the given parameters (those ZeRO-3 partitioned) for the block; a no-op otherwise. For walking
+    a model one parameter (or one layer) at a time."""
     partitioned = [p for p in params if hasattr(p, "ds_id")]
     if not partitioned:
         yield
         return
-    with deepspeed.zero.GatheredParameters(partitioned):
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
         yield
 
 
@@ -341,7 +337,7 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     if is_zero3_partitioned(module):
         for name, param in module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
+            with gathered_params([param]):
                 if is_main():
                     state[name] = param.data.detach().cpu().clone()
         # Only persistent buffers belong to a state dict (rotary inv_freq, for one, is recomputed at load).

@@ -53,10 +53,8 @@ class HybridEngine:
         """What the last weight sync measured (vLLM: ``sync/max_logprob_diff``, ``time/sync_s``), once: empty when
         no sync happened since the last call or the backend samples from the actor's own weights."""
         last = getattr(self.backend, "last", None) or {}
-        out = {k: v for k, v in last.items() if k.startswith(("sync/", "time/sync", "time/probe"))}
-        if last:
-            for k in out:
-                last.pop(k)
+        out = dict(last)
+        last.clear()
         return out
 
     def close(self) -> None:

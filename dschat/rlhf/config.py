@@ -122,7 +122,7 @@ def vllm_inert(backend: str, with_training: bool = False) -> dict[str, str]:
     names = list(VLLM_FLAGS)
     if with_training:
         names += ["vllm_importance_sampling", "vllm_importance_sampling_cap"]
-    if resolve_backend(backend) != "vllm" and not (backend == "auto" and _vllm_on_gpu()):
+    if not (backend == "vllm" or (backend == "auto" and _vllm_on_gpu())):
         return {n: f"without --generation-backend vllm (here: {resolve_backend(backend)})" for n in names}
     import torch
 
