@@ -25,6 +25,8 @@ from dschat.errors import UserError
 
 # --generation-backend: what samples (dschat.generation.backends)
 BACKENDS = ("auto", "vllm", "dschat", "compiled", "hf")
+# --report-to: where the metrics go (dschat.training.tracking, dschat.training.trackers)
+REPORT_TO = ("tensorboard", "jsonl", "wandb", "mlflow", "trackio")
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,
@@ -148,7 +150,24 @@ class RunArgs:
                               "finished run's final state).")
     force: bool = arg(False, "Overwrite an output folder that already holds a finished run or training states.")
     progress: bool = arg(True, "Show a progress bar.")
+    report_to: str = arg("tensorboard,jsonl", "Where metrics go: a comma-separated list of tensorboard, jsonl, "
+                                              "wandb, mlflow, trackio. metrics.jsonl is always written; wandb, "
+                                              "mlflow and trackio need their package (pip install \"dschat[wandb]\", "
+                                              "...) and log offline into the output folder unless their own "
+                                              "environment variables name a server (docs/tracking.md).")
     local_rank: int = arg(-1, "Set by the deepspeed launcher.", hidden=True)
+
+    def __post_init__(self) -> None:
+        report_sinks(self.report_to)  # an unknown name stops before anything loads
+
+
+def report_sinks(value: str) -> tuple[str, ...]:
+    """The trackers a ``--report-to`` value names, in order, each once; anything else is a one-line error."""
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    unknown = [n for n in names if n not in REPORT_TO]
+    if unknown or not names:
+        raise UserError(f"--report-to takes a comma-separated list of {', '.join(REPORT_TO)}; got {value!r}")
+    return names
 
 
 @dataclass
@@ -181,32 +200,6 @@ class KDArgs:
         return {} if self.teacher_model else {n: "without {teacher_model}" for n in ("kd_coef", "kd_temperature")}
 
 
-@dataclass
-class OneModelConfig:
-    """The pieces stages 1 and 2 share (stage 3's ``RLHFConfig`` lives in ``dschat.rlhf.config``)."""
-
-    model: ModelArgs = field(default_factory=ModelArgs)
-    data: DataArgs = field(default_factory=DataArgs)
-    optim: OptimArgs = field(default_factory=OptimArgs)
-    engine: EngineArgs = field(default_factory=EngineArgs)
-    lora: LoraArgs = field(default_factory=LoraArgs)
-    run: RunArgs = field(default_factory=RunArgs)
-
-
-@dataclass
-class SFTConfig(OneModelConfig):
-    """Stage 1's flags: the shared ones and knowledge distillation from a teacher."""
-
-    kd: KDArgs = field(default_factory=KDArgs)
-
-
-@dataclass
-class RewardConfig(OneModelConfig):
-    """Stage 2's flags: the shared ones and the reward loss."""
-
-    reward: RewardArgs = field(default_factory=RewardArgs)
-
-
 def piece(cls: type, prefix: str = "", *, only: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
           defaults: dict[str, Any] | None = None, help: dict[str, str] | None = None,
           aliases: dict[str, tuple[str, ...]] | None = None) -> Any:
@@ -234,6 +227,94 @@ def _make_piece(cls: type, meta: Any, values: dict[str, Any]) -> Any:
     obj = cls(**{**meta.get("defaults", {}), **values})
     object.__setattr__(obj, "_flags", tuple(meta.get("flags") or (f.name for f in dataclasses.fields(cls))))
     return obj
+
+
+ON_ALARM = ("warn", "save", "stop", "rollback")
+
+
+@dataclass
+class HealthArgs:
+    """The training health monitor's checks (``dschat.training.health``; docs/health.md). A threshold of 0 turns
+    its check off. Trend checks compare the mean of the last ``window/2`` steps with the ``window/2`` before them
+    (or with the run's first ``window/2`` steps, its baseline)."""
+
+    on_alarm: str = arg("warn", "What an alarm does: 'warn' logs one line; 'save' also writes a training state; "
+                                "'stop' saves and exits with code 4; 'rollback' restores the last state saved "
+                                "before the alarm's window and trains on at a lower learning rate "
+                                "(--rollback-lr-scale), stopping if an alarm fires again (--max-rollbacks).",
+                        choices=ON_ALARM)
+    alarm_window: int = arg(20, "Steps of history the trend checks look at (at least 4).", low=4)
+    alarm_grad_spike: float = arg(10.0, "Gradient norm above this multiple of its running median over the window.",
+                                  low=0)
+    rollback_lr_scale: float = arg(0.5, "Learning rates are multiplied by this after each rollback.", above=0,
+                                   high=1)
+    max_rollbacks: int = arg(1, "Rollbacks allowed in one run; an alarm after the last one stops the run.", low=1)
+    # stage 2
+    alarm_overfit: float = arg(0.05, "Stage 2: held-out pair accuracy this far below its best evaluation while "
+                                     "the training accuracy rose.", low=0)
+    alarm_score_drift: float = arg(20.0, "Stage 2: the mean of the chosen and rejected scores (their common level, "
+                                         "which the pairwise loss leaves free) drifting past +-this.", low=0)
+    # stage 3
+    alarm_kl_max: float = arg(1.0, "KL to the reference per answer token (nats) above this.", low=0)
+    alarm_kl_growth: float = arg(20.0, "KL per token growing by this factor between the two halves of the window "
+                                       "(checked once it exceeds 0.05 nats).", low=0)
+    alarm_entropy_min: float = arg(0.02, "Policy entropy per answer token (nats; the sampled tokens' negative "
+                                         "log-probability) below this.", low=0)
+    alarm_entropy_drop: float = arg(0.9, "Policy entropy fallen by this fraction of its baseline.", low=0, high=1)
+    alarm_length_pinned: float = arg(0.95, "Answer length pinned at this fraction of --max-answer-seq-len (from a "
+                                           "baseline below 0.8 of it).", low=0, high=1)
+    alarm_eos_drop: float = arg(0.5, "EOS rate fallen by this fraction of its baseline (a baseline of at least "
+                                     "0.2).", low=0, high=1)
+    alarm_hacking_z: float = arg(2.0, "Reward hacking: the held-out reward falling this many standard errors below "
+                                      "its best evaluation while the training reward rose; or, with several reward "
+                                      "sources, one rising and another falling by this many standard errors.",
+                                 low=0)
+    alarm_rm_sigma: float = arg(4.0, "The reward model's mean score outside its stage-2 mean +- this many of its "
+                                     "stage-2 standard deviations.", low=0)
+    alarm_value_growth: float = arg(10.0, "PPO: the critic's loss above this multiple of its running median.",
+                                    low=0)
+    alarm_clip_frac: float = arg(0.6, "The policy's clipped fraction at or above this over half the window.",
+                                 low=0, high=1)
+
+    def inert_fields(self) -> dict[str, str]:
+        if self.on_alarm == "rollback":
+            return {}
+        return {"rollback_lr_scale": "without --on-alarm rollback", "max_rollbacks": "without --on-alarm rollback"}
+
+
+HEALTH_COMMON = ("on_alarm", "alarm_window", "alarm_grad_spike", "rollback_lr_scale", "max_rollbacks")
+HEALTH_STAGE2 = ("alarm_overfit", "alarm_score_drift")
+# the stage-3 checks that watch sampled answers (offline DPO has none)
+SAMPLING_ALARMS = ("alarm_kl_max", "alarm_kl_growth", "alarm_entropy_min", "alarm_entropy_drop", "alarm_length_pinned",
+                   "alarm_eos_drop", "alarm_hacking_z", "alarm_clip_frac")
+
+
+@dataclass
+class OneModelConfig:
+    """The pieces stages 1 and 2 share (stage 3's ``RLHFConfig`` lives in ``dschat.rlhf.config``)."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    run: RunArgs = field(default_factory=RunArgs)
+
+
+@dataclass
+class SFTConfig(OneModelConfig):
+    """Stage 1's flags: the shared ones and knowledge distillation from a teacher."""
+
+    kd: KDArgs = field(default_factory=KDArgs)
+    health: HealthArgs = piece(HealthArgs, only=HEALTH_COMMON)
+
+
+@dataclass
+class RewardConfig(OneModelConfig):
+    """Stage 2's flags: the shared ones and the reward loss."""
+
+    reward: RewardArgs = field(default_factory=RewardArgs)
+    health: HealthArgs = piece(HealthArgs, only=HEALTH_COMMON + HEALTH_STAGE2)
 
 
 def merged(*pieces: Any) -> Any:

@@ -278,6 +278,33 @@ def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: Opt
     return eng
 
 
+# The gradient norm of each optimizer step of each engine, until read (``take_grad_norms``).
+_GRAD_NORMS: dict[int, list[float]] = {}
+
+
+def optimizer_step(engine: Any) -> None:
+    """``engine.step()``, recording the gradient norm of each optimizer step (not the steps inside an accumulation
+    window): DeepSpeed's own figure where its optimizer computes one (ZeRO 1-3, bf16/fp16), else the norm of the
+    averaged gradients just before the step (ZeRO 0 in float32, where DeepSpeed keeps none)."""
+    own = None
+    if engine.is_gradient_accumulation_boundary() and not hasattr(engine.optimizer, "_global_grad_norm"):
+        norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in engine.module.parameters()
+                 if p.grad is not None]
+        own = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else None
+    before = engine.global_steps
+    engine.step()
+    if engine.global_steps != before:
+        norm = engine.get_global_grad_norm()
+        norm = own if norm is None else float(norm)
+        if norm is not None:
+            _GRAD_NORMS.setdefault(id(engine), []).append(norm)
+
+
+def take_grad_norms(engine: Any) -> list[float]:
+    """The gradient norms of ``engine``'s optimizer steps since the last call."""
+    return _GRAD_NORMS.pop(id(engine), [])
+
+
 def build_eval_engine(model: torch.nn.Module, *, zero_stage: int, offload: bool, dtype: torch.dtype,
                       micro_batch: int = 1) -> Engine:
     """A frozen engine (reference / reward model). ZeRO-3 shards it; lower stages simply place it.

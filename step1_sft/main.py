@@ -48,7 +48,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             loss = out.loss
             stats = {"ce": out.ce.item(), "kd": out.kd.item(), "top1_agreement": out.top1_agreement.item()}
         engine.backward(loss)
-        engine.step()
+        E.optimizer_step(engine)
         return {"loss": loss.item(), **stats, "tokens": float(real_tokens(batch))}
 
     spec = OneModelStage(
@@ -64,7 +64,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     metrics = {
         "perplexity": t.after.get("perplexity"), "perplexity_before": t.before.get("perplexity"),
         "eval_loss": t.after.get("loss"), "eval_loss_before": t.before.get("loss"),
-        "train_loss_first": t.first_loss, "train_loss_last": t.last_loss, "steps": t.steps,
+        "train_loss_first": t.first_loss, "train_loss_last": t.last_loss, "steps": t.steps, "alarms": t.alarms,
         **t.data.counts, "sources": t.data.sources,
     }
     if distiller is not None:

@@ -56,7 +56,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
         values = reward_values(engine, batch)  # (2B, T), packed (--packing) or not
         out = reward_loss(values, batch, cfg.reward.rm_loss, cfg.reward.rm_center_coef)
         engine.backward(out.loss)
-        engine.step()
+        E.optimizer_step(engine)
         m = pairwise_metrics(out.chosen_scores, out.rejected_scores)
         return {"loss": out.loss.item(), "accuracy": m.accuracy.item(), "chosen_score": m.chosen_mean.item(),
                 "rejected_score": m.rejected_mean.item()}
@@ -83,7 +83,8 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
         "reward_mean": stats["score_mean"], "reward_std": stats["score_std"], "reward_stats_pairs": stats["pairs"],
         "eval_pairs": after.get("pairs", 0),
         "eval_ties": after.get("ties", 0), "train_loss_first": t.first_loss, "train_loss_last": t.last_loss,
-        "steps": t.steps, "learning_rate": t.lr, "rm_loss": cfg.reward.rm_loss, "seconds": round(t.seconds, 1),
+        "steps": t.steps, "alarms": t.alarms, "learning_rate": t.lr, "rm_loss": cfg.reward.rm_loss,
+        "seconds": round(t.seconds, 1),
         **t.data.counts, "sources": t.data.sources,
     })
     if E.is_main():

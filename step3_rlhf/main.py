@@ -35,7 +35,8 @@ from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.scoring import RM, build_scorer
 from dschat.training.checkpoint import save_hf
-from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, check_finite, eval_loader, training_loader
+from dschat.training.health import Context, HealthMonitor
+from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, eval_loader, training_loader
 from dschat.training.tracking import RunTracker, write_eval
 
 
@@ -89,44 +90,65 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                         f"resume with --eval-samples {samples} or start over")
     before = kept or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
+    health = HealthMonitor(cfg.health, 3, stage.output_dir, Context(rl.max_answer_seq_len, models.reward_stats,
+                                                                    tuple(cfg.reward_func_names())),
+                           log=stage.log, tracker=tracker)
+    loop.watch(health)
     if before and resume_from is None:
         tracker.log(0, eval_scalars(before))
+        tracker.log_samples(0, before.get("samples"))
+        health.observe(0, eval_scalars(before))
     dropped_total = state.get("dropped_short_answers", 0)
     tracker.advance(loop.step)
 
     def fields() -> dict[str, Any]:  # what a state holds besides the engines
         return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
-                "before": before}
+                "before": before, "health": health.state()}
 
     def tensors_now() -> dict[str, torch.Tensor]:
         return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
 
-    # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved
-    for step in loop.updates(total_updates, fields, tensors_now):
-        metrics, dropped = algo.step(stream)
-        dropped_total += dropped
-        metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
-                        **hybrid.sync_metrics()})
-        for name, value in metrics.items():
-            if name.endswith("loss"):
-                check_finite(value, step, name)
-        if step % cfg.run.log_interval == 0 or step == total_updates:
-            tracker.log(step, metrics)
-        tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
-        if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
-            tracker.log(step, eval_scalars(evaluation()))
-    step = loop.step
+    # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved; the health
+    # monitor watches each step's metrics and each evaluation and acts after the step (--on-alarm)
+    try:
+        for step in loop.updates(total_updates, fields, tensors_now):
+            metrics, dropped = algo.step(stream)
+            dropped_total += dropped
+            metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
+                            **hybrid.sync_metrics()})
+            for name, engine in models.trained.items():
+                if norms := E.take_grad_norms(engine):
+                    metrics[f"train/{name}_grad_norm"] = max(norms)
+            health.observe(step, metrics)
+            if step % cfg.run.log_interval == 0 or step == total_updates:
+                tracker.log(step, metrics)
+            tracker.advance(1, **{k: metrics[f"train/{k}"] for k in ("reward", "kl") if f"train/{k}" in metrics})
+            if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and data.eval:
+                result = evaluation()
+                scalars = eval_scalars(result)
+                tracker.log(step, scalars)
+                tracker.log_samples(step, result.get("samples"))
+                health.observe(step, scalars)
+        step = loop.step
 
-    # 5. evaluate after training, save the models and eval.json
-    after = evaluation()
-    if after:
-        tracker.log(step, eval_scalars(after))
-    tracker.close()
+        # 5. evaluate after training, save the models and eval.json
+        after = evaluation()
+        if after:
+            tracker.log(step, eval_scalars(after))
+            tracker.log_samples(step, after.get("samples"))
+            health.observe(step, eval_scalars(after))
+            health.respond(loop, final=True)
+    except BaseException:
+        hybrid.close()  # a rollback runs the stage again in this process: no engine may stay behind
+        raise
+    finally:
+        tracker.close()
     for name, engine in models.trained.items():
         save_hf(engine, tok, stage.output_dir / name)
     if ema is not None:
         save_hf(models.actor, tok, stage.output_dir / "actor_ema", state_dict=ema.full_state())
-    metrics = {"algo": rl.algo, **summarize(before, after), "steps": step, "dropped_short_answers": dropped_total,
+    metrics = {"algo": rl.algo, **summarize(before, after), "steps": step, "alarms": health.summary(),
+               "dropped_short_answers": dropped_total,
                **data.counts, "sources": data.sources, **algo.summary(before, after)}
     if scorer is not None and scorer.mixer.names != [RM]:  # per-source means when there is more than the reward model
         metrics.update(source_summary(before, after, scorer))

@@ -27,6 +27,7 @@ COMMANDS = {
     "generate": "dschat.cli.generate:generate_command",
     "judge": "dschat.cli.judge:judge_command",
     "pipeline": "dschat.cli.pipeline:pipeline",
+    "report": "dschat.cli.report:report_command",
 }
 
 

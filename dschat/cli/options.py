@@ -111,7 +111,7 @@ def stage_command(name: str, config: type | Callable[[], type], run: Callable[[A
                 values[key] = list(value) if isinstance(value, tuple) else value
         cfg = build_config(config_cls, values)
         refuse_inert(cfg, set(values))  # before any data or model loads
-        result = run(cfg)
+        result = run_with_rollbacks(run, cfg)
         from dschat.engine import teardown_distributed  # the stage has imported it already
 
         teardown_distributed()
@@ -123,6 +123,22 @@ def stage_command(name: str, config: type | Callable[[], type], run: Callable[[A
                                     flags=config)
     params += declared_options(flag_specs(config))
     return click.Command(name, params=params, callback=callback, help=help, context_settings=settings)
+
+
+def run_with_rollbacks(run: Callable[[Any], Any], cfg: Any) -> Any:
+    """``run(cfg)``; a health alarm's rollback (``dschat.training.health.Rollback``: the state to return to is
+    ``latest`` now) runs it again in this process, resuming from that state."""
+    import gc
+
+    from dschat.training.health import Rollback, restart_after
+
+    while True:
+        try:
+            return run(cfg)
+        except Rollback as rb:
+            restart_after(rb)
+        gc.collect()  # the engines of the rolled-back attempt go before the next one is built
+        cfg.run.resume = True
 
 
 def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:

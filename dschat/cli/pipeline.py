@@ -64,3 +64,5 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
     for line in report_lines(report, names, run.algo):
         click.echo(line)
     click.echo(f"report: {run.out / 'pipeline.json'}")
+    if run.pictures is not None:
+        click.echo(f"pictures: {run.pictures}")

@@ -18,6 +18,7 @@ from dschat.training.stage import lockstep_batches, to_device
 from dschat.utils import progress_bar
 
 SAMPLE_SEED_STRIDE = 100_003  # sample j of a prompt is drawn with the batch seeds of sample 0 plus j * stride
+SAMPLES_KEPT = 8  # answers kept as text (``"samples"``) for the trackers' tables, from the main rank's first batch
 
 
 @torch.no_grad()
@@ -35,6 +36,8 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
     ``detail`` (one sample only): also the per-prompt values under ``"per_prompt"`` (each source's reward, KL,
     length, EOS, and the decoded prompts and completions), for ``dschat eval``'s paired statistics; ``tick(n)``
     after each batch of n answers (the caller's progress bar), or with ``progress`` a bar of this one (main rank).
+    On the main rank ``"samples"`` holds the first ``SAMPLES_KEPT`` prompts with their first answer and its reward
+    (``prompt``, ``answer``, ``reward``), for the trackers' tables (``RunTracker.log_samples``).
     """
     if detail and num_samples != 1:
         raise ValueError("evaluate(detail=True) reports one sample per prompt; call it once per sample")
@@ -45,14 +48,14 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
         tick = bar.update if bar is not None else None
     try:
         runs = [_sample_once(models, hybrid, loader, gen, temperature, seed + j * SAMPLE_SEED_STRIDE, scorer,
-                             detail, tick) for j in range(num_samples)]
+                             detail, tick, keep=SAMPLES_KEPT if j == 0 else 0) for j in range(num_samples)]
     finally:
         if bar is not None:
             bar.close()
-    t, texts = runs[0]
+    t, texts, samples = runs[0]
     if num_samples > 1:  # per prompt: the mean over its samples (rewards); every answer counts (KL, length, EOS)
-        t = {k: (torch.cat([r[k] for r, _ in runs]) if k in ("kl", "length", "eos")
-                 else torch.stack([r[k] for r, _ in runs]).mean(0)) for k in t}
+        t = {k: (torch.cat([r[k] for r, _, _ in runs]) if k in ("kl", "length", "eos")
+                 else torch.stack([r[k] for r, _, _ in runs]).mean(0)) for k in t}
     names = scorer.mixer.names if scorer is not None else []
 
     def mean(x: torch.Tensor) -> float | None:
@@ -72,17 +75,22 @@ def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float
     if detail:
         out["per_prompt"] = {**{f"reward/{n}": t[n].tolist() for n in names}, "kl": t["kl"].tolist(),
                              "length": t["length"].tolist(), "eos": t["eos"].tolist(), **texts}
+    if samples:
+        out["samples"] = samples
     return out
 
 
 def _sample_once(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
-                 scorer: Scorer | None, detail: bool,
-                 tick: Callable[[int], None] | None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+                 scorer: Scorer | None, detail: bool, tick: Callable[[int], None] | None,
+                 keep: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, list[str]], list[dict[str, Any]]]:
     """One answer per held-out prompt: every rank's per-prompt values (``"scores"``, each source, KL, length,
-    EOS) and, with ``detail``, the decoded prompts and completions."""
+    EOS), with ``detail`` the decoded prompts and completions, and on the main rank the first ``keep`` prompts
+    with their answer and reward as text (decoded from this rank's first batches only)."""
     names = scorer.mixer.names if scorer is not None else []
     cols: dict[str, list[Any]] = {"scores": [], "kl": [], "length": [], "eos": [], **{n: [] for n in names}}
     texts: dict[str, list[str]] = {"prompts": [], "completions": []}
+    samples: list[dict[str, Any]] = []
+    keep = keep if E.is_main() else 0
     was_training = models.actor.training
     models.actor.eval()
     # Lockstep: under ZeRO-3 the gather around generate and every forward are collectives on all ranks.
@@ -106,10 +114,14 @@ def _sample_once(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: f
                 cols[name] += mixed.per_func[name].tolist()
         cols["length"] += mask.sum(-1).tolist()
         cols["eos"] += rollout.reached_eos.float().tolist()
-        if detail:
+        if detail or len(samples) < keep:
             prompts, completions, _ = completion_texts(models.tokenizer, rollout, batch["prompt_att_mask"])
-            texts["prompts"] += prompts
-            texts["completions"] += completions
+            if detail:
+                texts["prompts"] += prompts
+                texts["completions"] += completions
+            rewards = mixed.total.tolist() if mixed is not None else [None] * len(prompts)
+            samples += [{"prompt": p, "answer": a, "reward": r}
+                        for p, a, r in zip(prompts, completions, rewards, strict=True)][:keep - len(samples)]
         if tick is not None:
             tick(rollout.sequences.shape[0])
     if was_training:
@@ -119,10 +131,10 @@ def _sample_once(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: f
     if detail:
         every = E.gather_objects(texts)
         texts = {k: [x for part in every for x in part[k]] for k in texts}
-    return t, texts
+    return t, texts, samples
 
 
-PER_PROMPT = ("scores", "source_scores", "per_prompt")
+PER_PROMPT = ("scores", "source_scores", "per_prompt", "samples")
 
 
 def eval_scalars(result: dict[str, Any]) -> dict[str, Any]:

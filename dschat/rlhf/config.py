@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.config import (
+    HEALTH_STAGE2,
     VLLM_FLAGS,
     DataArgs,
     EngineArgs,
+    HealthArgs,
     LoraArgs,
     ModelArgs,
     OptimArgs,
@@ -197,6 +199,7 @@ class RLHFConfig:
     rloo: RLOOArgs = field(default_factory=RLOOArgs)
     data: DataArgs = field(default_factory=DataArgs)
     run: RunArgs = field(default_factory=RunArgs)
+    health: HealthArgs = piece(HealthArgs, exclude=HEALTH_STAGE2)
 
     @property
     def algorithm(self) -> Any:
@@ -212,6 +215,10 @@ class RLHFConfig:
         out.update(vllm_inert(self.rl.generation_backend, with_training=True))
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
+        if "critic" not in self.algorithm.needs(self):
+            out["alarm_value_growth"] = f"with --algo {self.rl.algo} (no critic)"
+        if RM not in self.reward_func_names():
+            out["alarm_rm_sigma"] = "without the reward model among the reward sources"
         return out
 
     def reward_func_names(self) -> list[str]:

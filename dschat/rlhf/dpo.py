@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.config import VLLM_FLAGS, arg
+from dschat.config import SAMPLING_ALARMS, VLLM_FLAGS, arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
 from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
 from dschat.errors import UserError
@@ -248,6 +248,8 @@ class DPO:
                                          "enable_hybrid_engine", "generation_backend", "reward_weights",
                                          *VLLM_FLAGS)})
         out.update(no_importance_sampling("dpo"))
+        out.update({n: "with --algo dpo (it trains on dataset pairs: no sampled answers to watch)"
+                    for n in SAMPLING_ALARMS})
         if cfg.dpo.dpo_loss_type == "simpo":
             out.update({n: "with --dpo-loss-type simpo (no reference)"
                         for n in ("reference_zero_stage", "offload_reference_model")})

@@ -50,6 +50,6 @@ def step_actor(actor: Any, loss: torch.Tensor, ema: ActorEMA | None) -> None:
     a gradient-accumulation window)."""
     steps_before = actor.global_steps
     actor.backward(loss)
-    actor.step()
+    E.optimizer_step(actor)
     if ema is not None and actor.global_steps != steps_before:
         ema.update(actor)

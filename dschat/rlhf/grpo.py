@@ -332,7 +332,9 @@ class GRPO(OnPolicy):
                                          weights=weights)
                 step_actor(actor, out.loss, self.ema)
                 stats = {"train/actor_loss": out.loss, "train/clip_ratio_low": out.clip_ratio_low,
-                         "train/clip_ratio_high": out.clip_ratio_high, "train/clip_ratio": out.clip_ratio}
+                         "train/clip_ratio_high": out.clip_ratio_high, "train/clip_ratio": out.clip_ratio,
+                         # the sampled tokens' negative log-probability: an estimate of the policy's entropy
+                         "train/entropy": -L.masked_mean(logprobs.detach(), mb.rollout.action_mask)}
                 if mb.ref_logprobs is not None:
                     stats["train/kl"] = out.kl
                 for key, value in stats.items():

@@ -199,13 +199,16 @@ class PPO(OnPolicy):
         train_time = time.time() - t1
         mask = exp.rollout.action_mask.float()
         seq_kl = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum(-1)
+        tokens_kl = ((exp.old_logprobs - exp.ref_logprobs) * mask).sum() / mask.sum().clamp(min=1)
+        entropy = -(exp.old_logprobs * mask).sum() / mask.sum().clamp(min=1)  # the sampled tokens' NLL
         local = torch.stack([exp.raw_scores.float().mean(), seq_kl.mean(), L.masked_mean(exp.returns, mask),
-                             mask.sum(-1).mean(), exp.rollout.reached_eos.float().mean()]).cpu()
-        reward, kl, ret, length, eos_rate = E.all_reduce_mean(local).tolist()
+                             mask.sum(-1).mean(), exp.rollout.reached_eos.float().mean(), tokens_kl, entropy]).cpu()
+        reward, kl, ret, length, eos_rate, kl_per_token, entropy_mean = E.all_reduce_mean(local.float()).tolist()
         tokens = E.all_reduce_sum(mask.sum().cpu()).item()
         rows = self.cfg.rl.per_device_generation_batch_size * self.p.generation_batches
         self.kl_ctl.update(kl, rows * E.world_size())
-        return {"train/reward": reward, "train/kl": kl, "train/kl_ctl": self.kl_ctl.value, "train/return": ret,
+        return {"train/reward": reward, "train/kl": kl, "train/kl_per_token": kl_per_token,
+                "train/entropy": entropy_mean, "train/kl_ctl": self.kl_ctl.value, "train/return": ret,
                 "train/answer_length": length, "train/eos_rate": eos_rate, **stats,
                 "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
                 "time/training_s": train_time,
@@ -227,19 +230,19 @@ class PPO(OnPolicy):
                     sums[key] = sums.get(key, 0.0) + value
                 steps_before = m.actor.global_steps
                 m.actor.backward(actor.loss)
-                m.actor.step()
+                E.optimizer_step(m.actor)
                 if self.unsup is not None:
                     batch = to_device(next(self.unsup), E.device())
                     lm_loss = m.actor(**batch, use_cache=False).loss
                     m.actor.backward(p.unsup_coef * lm_loss)
-                    m.actor.step()
+                    E.optimizer_step(m.actor)
                     sums["train/unsup_loss"] = sums.get("train/unsup_loss", 0.0) + lm_loss.item()
                 if self.ema is not None and m.actor.global_steps != steps_before:
                     self.ema.update(m.actor)
                 values = answer_values(m.critic, mb.rollout)
                 critic = L.ppo_value_loss(values, mb.old_values, mb.returns, mask, p.cliprange_value)
                 m.critic.backward(critic.loss)
-                m.critic.step()
+                E.optimizer_step(m.critic)
                 for key, value in (("train/actor_loss", actor.loss), ("train/critic_loss", critic.loss),
                                    ("train/actor_clip_frac", actor.clip_frac),
                                    ("train/critic_clip_frac", critic.clip_frac),

@@ -20,11 +20,11 @@ from dschat.data.packing import check_packing
 from dschat.devices import resolve_dtype
 from dschat.models.loading import load_tokenizer, resolve_model
 from dschat.models.lora import lora_param_groups
+from dschat.training.health import HealthMonitor
 from dschat.training.stage import (
     ResumableLoop,
     Stage,
     begin_stage,
-    check_finite,
     eval_loader,
     learning_rate,
     plan_steps,
@@ -60,6 +60,7 @@ class Trained:
     before: dict[str, Any]
     after: dict[str, Any]
     steps: int
+    alarms: list[dict[str, Any]]  # the health alarms of the run (eval.json's "alarms")
     first_loss: float
     last_loss: float
     lr: float
@@ -117,8 +118,12 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     engine.train()
     accum = cfg.optim.gradient_accumulation_steps
     tracker.advance(loop.step)
+    health = HealthMonitor(cfg.health, spec.phase, stage.output_dir, log=stage.log, tracker=tracker)
+    loop.watch(health)
     loop.extras = {"before": before, "first_loss": state.get("first_loss", float("nan")),
-                   "last_loss": state.get("last_loss", float("nan"))}
+                   "last_loss": state.get("last_loss", float("nan")), "health": health.state()}
+    if before and loop.resumed_from is None:
+        health.observe(0, eval_scalars(before))
     window: dict[str, float] = {}  # summed over the micro-batches of one optimizer step
     t0 = [time.time()]
 
@@ -131,7 +136,10 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
         names = list(window)
         means = dict(zip(names, E.all_reduce_mean(torch.tensor([window[k] / accum for k in names],
                                                                 dtype=torch.float64)).tolist(), strict=True))
-        check_finite(means["loss"], step)
+        norms = E.take_grad_norms(engine)
+        if norms:
+            means["grad_norm"] = max(norms)
+        health.observe(step, {f"train/{k}": v for k, v in means.items()})
         if step == 1:
             loop.extras["first_loss"] = means["loss"]
         loop.extras["last_loss"] = means["loss"]
@@ -145,12 +153,18 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
         window.clear()
         t0[0] = time.time()
         if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and step < total_steps and data.eval:
-            tracker.log(step, eval_scalars(evaluation()))
+            scalars = eval_scalars(evaluation())
+            tracker.log(step, scalars)
+            health.observe(step, scalars)
 
-    loop.run(loader, epochs, total_steps, micro_step, on_step)
-    after = evaluation()
-    if after:
-        tracker.log(loop.step, eval_scalars(after))
-    tracker.close()
-    return Trained(stage, engine, tokenizer, data, collator, before, after, loop.step, loop.extras["first_loss"],
-                   loop.extras["last_loss"], lr, time.time() - started)
+    try:
+        loop.run(loader, epochs, total_steps, micro_step, on_step)
+        after = evaluation()
+        if after:
+            tracker.log(loop.step, eval_scalars(after))
+            health.observe(loop.step, eval_scalars(after))
+            health.respond(loop, final=True)
+    finally:
+        tracker.close()
+    return Trained(stage, engine, tokenizer, data, collator, before, after, loop.step, health.summary(),
+                   loop.extras["first_loss"], loop.extras["last_loss"], lr, time.time() - started)

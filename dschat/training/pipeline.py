@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.training.report import write_report
 from dschat.utils import write_json
 
 DemoFiles = Mapping[str, Path]  # the embedded demo's files by name (``dschat.demo.demo_files()``)
@@ -304,6 +305,7 @@ class PipelineRun:
     hostfile: str | None = None
     eval_data: list[str] = field(default_factory=list)  # judge: held-out judge rows (none: no judge evaluation)
     eval_args: list[str] = field(default_factory=list)
+    pictures: Path | None = field(default=None, init=False)  # set by run_pipeline: the report's page, if drawn
 
     @property
     def algo(self) -> str:
@@ -312,7 +314,30 @@ class PipelineRun:
 
 def run_pipeline(run: PipelineRun, log: Callable[[str], None]) -> dict[str, Any]:
     """Run each stage of ``run`` in its own process (finished ones skipped unless ``run.force``), then the judges'
-    evaluations, and write and return the report (``O/pipeline.json``)."""
+    evaluations, and write and return the report (``O/pipeline.json``). The pictures of the stages that ran
+    (``write_plots``) are drawn at the end, and also when a stage failed."""
+    try:
+        report = _run_stages(run, log)
+    except UserError:
+        run.pictures = write_plots(run.out, log)
+        raise
+    run.pictures = write_plots(run.out, log)
+    return report
+
+
+def write_plots(out: Path, log: Callable[[str], None]) -> Path | None:
+    """``dschat report`` of the pipeline folder into ``O/report/`` (PNGs and ``report.html``); returns the page.
+    Plotting never fails the pipeline: any error is one logged line, and None."""
+    try:
+        page = write_report([out])
+    except Exception as e:  # a pipeline's results matter more than its pictures
+        log(f"[pipeline] report not written: {type(e).__name__}: {e}")
+        return None
+    log(f"[pipeline] pictures: {page}")
+    return page
+
+
+def _run_stages(run: PipelineRun, log: Callable[[str], None]) -> dict[str, Any]:
     timings: dict[str, float] = {}
     for name in run.names:
         argv = stage_argv(name, run.out, run.model, run.reward_base, run.data, run.demo, run.extra, run.names)

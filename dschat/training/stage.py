@@ -22,6 +22,7 @@ from dschat.errors import UserError
 from dschat.models.loading import TINY
 from dschat.training.lock import claim_output_dir
 from dschat.training.resume import Checkpointer, checkpoint_root, latest_state
+from dschat.training.trackers import check_trackers
 from dschat.utils import set_seed, write_json
 
 TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
@@ -42,7 +43,8 @@ class Stage:
 
 
 def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
-    """Prepare a run: resolve and guard the output folder, join the process group, seed, write args.json.
+    """Prepare a run: check the trackers of --report-to, resolve and guard the output folder, join the process group,
+    seed, write args.json.
 
     A finished run (eval.json) or resumable training states are never overwritten silently: ``--resume``
     continues the states, ``--force`` starts over. The folder is locked for the life of the process (one run per
@@ -52,6 +54,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     out = Path(run.output_dir or default_output).expanduser()
     E.setup_distributed()
     quiet_interrupts_at_exit()
+    check_trackers(run.report_to, out)  # a tracker's package or server missing: one line, before anything loads
     claim_output_dir(out, lambda text: print(f"[{name}] {text}", file=sys.stderr, flush=True))
     latest, finished = E.broadcast_object((latest_state(out), (out / "eval.json").exists()) if E.is_main() else None)
     if finished and not run.force and not (run.resume and latest is not None):
@@ -64,7 +67,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     stage = Stage(name, out)
     if E.is_main():
         if not (run.resume and latest is not None):  # a fresh start: nothing of an older run stays
-            for stale in ("metrics.jsonl", "eval.json"):
+            for stale in ("metrics.jsonl", "eval.json", "health.jsonl"):
                 if (out / stale).exists():
                     (out / stale).unlink()
             shutil.rmtree(checkpoint_root(out), ignore_errors=True)
@@ -173,12 +176,6 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def check_finite(value: float, step: int, what: str = "loss") -> None:
-    if not math.isfinite(value):
-        raise UserError(f"{what} became {value} at step {step}; stopping (lower the learning rate or check the "
-                        "data); the last saved state is kept")
-
-
 def resumable_batches(loader: DataLoader, epochs: int, start_epoch: int = 0,
                       skip: int = 0) -> Iterator[tuple[int, int, Any]]:
     """``(epoch, batches_done_in_epoch, batch)`` over ``epochs``, starting ``skip`` batches into ``start_epoch``.
@@ -250,6 +247,17 @@ class ResumableLoop:
         # stages 1-2: the epoch and batches drawn in it at the last optimizer step, where a resumed run starts
         self.position = {"epoch": self.state.get("epoch", 0), "batches": self.state.get("batches", 0)}
         self.extras: dict[str, Any] = {}
+        self.health: Any = None  # a HealthMonitor: responds to its alarms after each step (dschat.training.health)
+        self._save_now: Callable[[], Path | None] = self.save
+
+    def watch(self, health: Any) -> None:
+        """Let ``health`` act after each step (and resume its own state from the restored one)."""
+        self.health = health
+        health.resume(self.state, self.engines)
+
+    def save_now(self) -> Path | None:
+        """A state of the step just counted (what a health alarm saves), as the running driver saves it."""
+        return self._save_now()
 
     def save(self, fields: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path | None:
         """A state of this step (``fields`` default: the position and ``extras``); None inside a
@@ -260,6 +268,8 @@ class ResumableLoop:
         return self.ckpt.save(self.step, {**self.position, **self.extras} if fields is None else fields, tensors)
 
     def _after_step(self, total_steps: int, save: Callable[[], Path | None]) -> None:
+        if self.health is not None:
+            self.health.respond(self)
         if self.save_interval and self.step % self.save_interval == 0 and self.step < total_steps:
             save()
 
@@ -294,6 +304,7 @@ class ResumableLoop:
         def save() -> Path | None:
             return self.save(fields(), tensors())
 
+        self._save_now = save
         with stop_after_step(self.stage.log) as stop:
             while self.step < total_steps:
                 yield self.step + 1

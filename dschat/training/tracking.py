@@ -1,4 +1,5 @@
-"""Run outputs shared by every stage: args.json, metrics.jsonl, TensorBoard, eval.json, a progress bar."""
+"""Run outputs shared by every stage: args.json, metrics.jsonl, the trackers of ``--report-to`` (TensorBoard, W&B,
+MLflow, Trackio: ``dschat.training.trackers``), eval.json, a progress bar."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dschat.config import RunArgs
+from dschat.training.trackers import Sink, open_sinks
 from dschat.utils import write_json
+
+DEFAULT_REPORT_TO: str = RunArgs.report_to  # TensorBoard and jsonl
 
 
 def _scalar(v: Any) -> float | None:
@@ -23,34 +28,61 @@ def _scalar(v: Any) -> float | None:
 
 
 class RunTracker:
-    """Writes one JSON object per logged step to ``metrics.jsonl`` and the same scalars to TensorBoard.
+    """Writes one JSON object per logged step to ``metrics.jsonl`` and the same scalars to the trackers of
+    ``--report-to`` (``dschat.training.trackers``: TensorBoard by default; W&B, MLflow, Trackio on request), with
+    the health monitor's alarms (``log_alarm``) and sampled answers (``log_samples``).
+
+    ``metrics.jsonl`` is always written (resume, the pipeline report and the benchmarks read it). ``report_to``
+    and ``config`` (what each tracker records as the run's configuration) default to the output folder's
+    ``args.json``, which ``begin_stage`` writes first; without one, TensorBoard and jsonl, as before the flag.
+    The run's name in the trackers is the output folder's name.
 
     Only the main rank writes; other ranks get a tracker that does nothing, so loops need no rank checks.
     """
 
     def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, progress: bool = True,
-                 desc: str = "train"):
+                 desc: str = "train", report_to: str | None = None, config: dict[str, Any] | None = None):
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.start = time.time()
-        self._tb = None
+        self._sinks: list[Sink] = []
         self._bar = None
         self._jsonl = None
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        args = self._args() if report_to is None or config is None else {}
+        report_to = report_to or args.get("report_to") or DEFAULT_REPORT_TO
         self._jsonl = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-        except ImportError:  # tensorboard is a requirement, but never let logging kill a run
-            self._tb = None
+        self._sinks = open_sinks(report_to, self.dir, self.dir.resolve().name, args if config is None else config)
+        for sink in self._sinks:
+            if getattr(sink, "where", None):  # W&B says where itself
+                self.message(f"{sink.name}: {sink.where}")
         if progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True, file=sys.stderr,
                              mininterval=1.0)
+
+    def _args(self) -> dict[str, Any]:
+        """The run's ``args.json`` (written by ``begin_stage``), or nothing."""
+        try:
+            args = json.loads((self.dir / "args.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return args if isinstance(args, dict) else {}
+
+    def _each(self, call: str, *args: Any) -> None:
+        """``sink.<call>(*args)`` on every tracker. A tracker that fails mid-run is dropped with one line: logging
+        never stops training, and ``metrics.jsonl`` keeps everything."""
+        for sink in list(self._sinks):
+            try:
+                getattr(sink, call)(*args)
+            except Exception as e:  # noqa: BLE001 - whatever the library raised
+                self._sinks.remove(sink)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                self.message(f"{sink.name}: logging failed ({first}); it is off for the rest of the run "
+                             "(metrics.jsonl has every row)")
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:
@@ -62,14 +94,29 @@ class RunTracker:
 
     def _log(self, step: int, metrics: dict[str, Any], prefix: str) -> None:
         row: dict[str, Any] = {"step": step, "time": round(time.time() - self.start, 3)}
+        scalars: dict[str, float] = {}
         for k, v in metrics.items():
             s = _scalar(v)
             row[prefix + k] = s if s is not None else v
-            if s is not None and self._tb is not None and math.isfinite(s):
-                self._tb.add_scalar(prefix + k, s, step)
+            if s is not None and math.isfinite(s):
+                scalars[prefix + k] = s
+        if scalars:
+            self._each("log", step, scalars)
         assert self._jsonl is not None
         self._jsonl.write(json.dumps(row, ensure_ascii=False) + "\n")
         self._jsonl.flush()
+
+    def log_alarm(self, record: dict[str, Any]) -> None:
+        """A health alarm (``step``, ``check``, ``metric``, ``value``, ``threshold``, ``action``, ``message``) to
+        every tracker but jsonl (the health monitor writes ``health.jsonl`` itself)."""
+        if self.enabled:
+            self._each("alarm", dict(record))
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]] | None) -> None:
+        """Sampled answers (``prompt``, ``answer``, ``reward``) of an evaluation as a table, to every tracker but
+        jsonl."""
+        if self.enabled and rows:
+            self._each("samples", step, list(rows))
 
     def advance(self, n: int = 1, **postfix: Any) -> None:
         if self._bar is not None:
@@ -86,14 +133,19 @@ class RunTracker:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
+        """Finish every tracker's run; ``failed`` (default: whether an exception is on its way out, as when called
+        from a ``finally``) marks it failed where the tracker records that."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
+            self._bar = None
+        self._each("close", failed)
+        self._sinks = []
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None
 
 
 def write_eval(output_dir: str | Path, metrics: dict[str, Any]) -> None:

@@ -39,6 +39,12 @@ def test_pipeline_all_runs_each_stage_on_the_previous_output_and_skips_finished(
     assert report["ppo_reward_after"] is not None and set(report["seconds"]) == {"sft", "rm", "ppo"}
     assert read_json(out / "step2_reward" / "args.json")["model"] == str(out / "step1_sft" / "model")
     assert read_json(out / "step3_rlhf" / "args.json")["reward_model"] == str(out / "step2_reward" / "model")
+    # the pictures of every stage (dschat report), one section each, a self-contained page
+    assert f"pictures: {out / 'report' / 'report.html'}" in proc.stdout
+    for stage, plot in (("step1_sft", "perplexity"), ("step2_reward", "accuracy"), ("step3_rlhf", "reward")):
+        assert (out / "report" / stage / f"{plot}.png").stat().st_size > 5000
+    page = (out / "report" / "report.html").read_text()
+    assert page.count("<h2>") == 3 and "http://" not in page and "https://" not in page
     again = run_cli("pipeline", "sft,rm", "--output-dir", str(out), timeout=300)
     assert again.returncode == 0 and again.stderr.count("already finished; skipped") == 2
 

@@ -21,11 +21,11 @@ def _fake_runs(monkeypatch, per_seed):
     """``_sample_once`` returning ``per_seed[seed]`` (a dict of per-prompt lists) and ticking once per prompt."""
     seeds = []
 
-    def once(models, hybrid, loader, gen, temperature, seed, scorer, detail, tick):
+    def once(models, hybrid, loader, gen, temperature, seed, scorer, detail, tick, keep=0):
         seeds.append(seed)
         if tick is not None:
             tick(3)
-        return {k: torch.tensor(v) for k, v in per_seed[seed].items()}, {"prompts": [], "completions": []}
+        return {k: torch.tensor(v) for k, v in per_seed[seed].items()}, {"prompts": [], "completions": []}, []
 
     monkeypatch.setattr(evaluation, "_sample_once", once)
     return seeds

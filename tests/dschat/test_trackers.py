@@ -1,0 +1,342 @@
+"""--report-to: TensorBoard and metrics.jsonl by default, W&B, MLflow and Trackio on request, each read back with the
+library's own reader; a missing package or an unanswering server is one line before anything loads."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from dschat.config import SFTConfig, build_config
+from dschat.errors import UserError
+from dschat.training import trackers
+from dschat.training.tracking import RunTracker
+from tests.helpers import ROOT, read_json, read_jsonl, run_cli
+
+ALL = "tensorboard,jsonl,wandb,mlflow,trackio"
+ALARM = {"step": 2, "check": "kl_max", "metric": "train/kl", "value": 3.5, "threshold": 1.0, "action": "warn",
+         "message": "KL to the reference above 1 nat per token", "since": 1}
+SAMPLES = [{"prompt": "1+1=", "answer": "= 2", "reward": 1.0}, {"prompt": "2+2=", "answer": "= 5", "reward": 0.0}]
+
+
+def _external_installed() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("wandb", "mlflow", "trackio", "sqlalchemy",
+                                                                   "alembic"))
+
+
+def needs_trackers() -> None:
+    if not _external_installed():
+        if os.environ.get("CI"):
+            pytest.fail("wandb, mlflow and trackio are not installed (CI installs requirements-{wandb,mlflow,"
+                        "trackio}.txt)")
+        pytest.skip("pip install -r requirements-wandb.txt -r requirements-mlflow.txt -r requirements-trackio.txt")
+
+
+def tracker_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a child process: no tracker settings of this machine's, W&B's caches in ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_", "TRACKIO_"))}
+    env.update({f"WANDB_{k}_DIR": str(tmp_path / f"wandb-{k.lower()}") for k in ("DATA", "CACHE", "CONFIG")})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def in_child(function: str, out: Path, env: dict[str, str]) -> dict:
+    """``function(out)`` of this module in a fresh process (its tracker libraries and their settings stay out of
+    the test process); its JSON result."""
+    code = f"import json; from tests.dschat.test_trackers import {function} as f; print(json.dumps(f({str(out)!r})))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def write_every_tracker(out: str) -> dict:
+    """A RunTracker on every tracker: two logged rows, an alarm, sampled answers (run in a child process)."""
+    tracker = RunTracker(out, True, 2, progress=False, report_to=ALL, config={"seed": 7, "data": ["a.jsonl"]})
+    tracker.log(1, {"train/loss": 0.5, "train/note": "text stays in metrics.jsonl"})
+    tracker.log(2, {"train/loss": 0.25, "eval/reward": float("nan")})  # not finite: metrics.jsonl only
+    tracker.log_alarm(ALARM)
+    tracker.log_samples(2, SAMPLES)
+    tracker.close()
+    return {}
+
+
+def read_trackers(out: str) -> dict:
+    """What W&B, MLflow and Trackio hold of the run in ``out``, read with each library's own reader (run in a child
+    process whose TRACKIO_DIR is ``out/trackio``)."""
+    root = Path(out)
+    # W&B: the offline run's transaction log, as `wandb leet inspect --json` prints its records
+    [run_dir] = glob.glob(str(root / "wandb" / "offline-run-*"))
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir], capture_output=True,
+                          text=True, timeout=120, check=True)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    history = {str(r["history"]["step"]["num"]): r["history"]["item"] for r in records if r["type"] == "history"}
+    [run] = [r["run"] for r in records if r["type"] == "run"]
+    tables = {}
+    for step, item in history.items():
+        if "eval/samples.path" in item:  # the table's file, beside the run's other files
+            tables[step] = json.loads((Path(run_dir) / "files" / item["eval/samples.path"]).read_text())
+    wandb = {"history": history, "config": run["config"]["update"], "name": run["display_name"],
+             "project": run["project"], "alerts": [r["alert"] for r in records if r["type"] == "alert"],
+             "exit": [r["exit"] for r in records if r["type"] == "exit"], "tables": tables}
+
+    # MLflow: the SQLite store under out/mlflow
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.artifacts import load_dict
+
+    mlflow.set_tracking_uri(trackers.mlflow_local_uri(root))  # load_table searches the global store
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(trackers.PROJECT)
+    [mrun] = client.search_runs([experiment.experiment_id])
+    rid = mrun.info.run_id
+    artifacts = {a.path for d in ("alarms", "samples") for a in client.list_artifacts(rid, d)}
+    mlflow = {"name": mrun.info.run_name, "status": mrun.info.status, "params": mrun.data.params,
+              "metrics": {k: {str(m.step): m.value for m in client.get_metric_history(rid, k)}
+                          for k in mrun.data.metrics},
+              "alarms": [load_dict(f"{mrun.info.artifact_uri}/{a}") for a in sorted(artifacts) if "alarms/" in a],
+              "samples": {a: client.load_table(experiment.experiment_id, a, run_ids=[rid]).to_dict("records")
+                          for a in sorted(artifacts) if "samples/" in a}}
+
+    # Trackio: its local store, through its storage and API
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+    from trackio.utils import TRACKIO_DIR
+
+    [name] = SQLiteStorage.get_runs(trackers.PROJECT)
+    [trun] = list(trackio.Api().runs(trackers.PROJECT))
+    logs = SQLiteStorage.get_logs(trackers.PROJECT, name)
+    trackio_ = {"dir": str(TRACKIO_DIR), "name": name, "config": trun.config, "alerts": trun.alerts(),
+                "logs": [{k: v for k, v in r.items() if k != "timestamp"} for r in logs]}
+    return {"wandb": wandb, "mlflow": mlflow, "trackio": trackio_}
+
+
+def jsonl_scalars(out: Path) -> dict[int, dict[str, float]]:
+    """Each step's finite scalars of metrics.jsonl (what every tracker must hold), without step and time."""
+    rows: dict[int, dict[str, float]] = {}
+    for r in read_jsonl(out / "metrics.jsonl"):
+        rows.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k not in ("step", "time")
+                                               and isinstance(v, int | float) and v == v})
+    return rows
+
+
+def assert_every_scalar_found(got: dict, out: Path) -> None:
+    expected = jsonl_scalars(out)
+    assert expected and all(expected.values())
+    trackio_rows: dict[int, dict] = {}
+    for r in got["trackio"]["logs"]:
+        trackio_rows.setdefault(r["step"], {}).update(r)
+    for step, scalars in expected.items():
+        for key, value in scalars.items():
+            assert got["wandb"]["history"][str(step)][key] == pytest.approx(value, rel=1e-9), ("wandb", step, key)
+            assert got["mlflow"]["metrics"][key][str(step)] == pytest.approx(value, rel=1e-9), ("mlflow", step, key)
+            assert trackio_rows[step][key] == pytest.approx(value, rel=1e-9), ("trackio", step, key)
+
+
+def test_report_to_flag_is_declared_once_and_validated():
+    cfg = build_config(SFTConfig, {})
+    assert cfg.run.report_to == "tensorboard,jsonl"  # today's outputs
+    assert build_config(SFTConfig, {"report_to": " wandb, mlflow ,wandb"}).run.report_to == " wandb, mlflow ,wandb"
+    assert trackers.report_sinks(" wandb, mlflow ,wandb") == ("wandb", "mlflow")
+    for bad in ("wandb,neptune", "", " , "):
+        with pytest.raises(UserError, match="--report-to takes a comma-separated list of tensorboard, jsonl"):
+            build_config(SFTConfig, {"report_to": bad})
+
+
+def test_default_trackers_write_tensorboard_and_jsonl_only(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    tracker = RunTracker(out, True, 2, progress=False)  # no args.json, no flag: the defaults
+    tracker.log(1, {"train/loss": 0.5, "train/note": "text"})
+    tracker.log_alarm(ALARM)
+    tracker.log_samples(1, SAMPLES)
+    tracker.close()
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "tensorboard"]  # no wandb/, mlflow/, trackio/
+    assert read_jsonl(out / "metrics.jsonl") == [{"step": 1, "time": read_jsonl(out / "metrics.jsonl")[0]["time"],
+                                                  "train/loss": 0.5, "train/note": "text"}]  # alarms go elsewhere
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [0.5]
+    [alarm] = events.Tensors("alarms/kl_max/text_summary")  # add_text's tag
+    assert alarm.step == 2 and alarm.tensor_proto.string_val[0].decode() == trackers.alarm_text(ALARM)
+    [table] = events.Tensors("eval/samples/text_summary")
+    assert table.step == 1 and "| 2+2= | = 5 | 0.0 |" in table.tensor_proto.string_val[0].decode()
+
+    jsonl_only = tmp_path / "jsonl"
+    RunTracker(jsonl_only, True, 1, progress=False, report_to="jsonl").close()
+    assert [p.name for p in jsonl_only.iterdir()] == ["metrics.jsonl"]  # jsonl alone: no TensorBoard
+
+
+class Recording:
+    """A tracker that records what it gets; ``broken`` makes its ``log`` fail as a lost server would."""
+
+    name = "recording"
+
+    def __init__(self, broken: bool = False):
+        self.broken, self.rows, self.closed = broken, [], None
+
+    def log(self, step, scalars):
+        if self.broken:
+            raise ConnectionError("server went away\nsecond line")
+        self.rows.append((step, scalars))
+
+    def alarm(self, record):
+        self.rows.append(("alarm", record["check"]))
+
+    def samples(self, step, rows):
+        self.rows.append(("samples", step, len(rows)))
+
+    def close(self, failed):
+        self.closed = failed
+
+
+def test_a_failing_tracker_is_dropped_and_runs_end_failed_on_an_exception(tmp_path, capsys):
+    tracker = RunTracker(tmp_path / "a", True, 2, progress=False, report_to="jsonl")
+    broken, kept = Recording(broken=True), Recording()
+    tracker._sinks += [broken, kept]
+    tracker.log(1, {"x": 1.0, "nan": float("nan"), "text": "t"})
+    tracker.log(2, {"x": 2.0})
+    tracker.log_alarm(ALARM)
+    tracker.log_samples(2, SAMPLES)
+    tracker.log_samples(2, [])  # an evaluation without texts: nothing
+    tracker.close()
+    assert [r["x"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")] == [1.0, 2.0]  # logging never stops
+    assert kept.rows == [(1, {"x": 1.0}), (2, {"x": 2.0}), ("alarm", "kl_max"), ("samples", 2, 2)]
+    assert kept.closed is False and broken.closed is None  # the broken one was dropped at its first failure
+    err = capsys.readouterr().err
+    assert err.count("recording: logging failed (server went away); it is off for the rest of the run") == 1
+
+    tracker = RunTracker(tmp_path / "b", True, 2, progress=False, report_to="jsonl")
+    tracker._sinks.append(failed := Recording())
+    with pytest.raises(ValueError):
+        try:
+            raise ValueError("the stage failed")
+        finally:
+            tracker.close()  # as the stages close it
+    assert failed.closed is True
+    RunTracker(tmp_path / "c", False, 2).log_alarm(ALARM)  # other ranks: nothing, no folder
+    assert not (tmp_path / "c").exists()
+
+
+def test_tracker_problems_are_one_line(tmp_path, monkeypatch):
+    for name in ("wandb", "mlflow", "trackio"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` fails as if it were not installed
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    for name in ("wandb", "mlflow", "trackio"):
+        problem = trackers.tracker_problem(f"tensorboard,{name}", tmp_path)
+        assert problem == f"--report-to {name}: the {name} package is not installed; pip install \"dschat[{name}]\" " \
+                          f"(in a checkout: pip install -r requirements-{name}.txt) or drop {name} from --report-to"
+    assert trackers.tracker_problem("tensorboard,jsonl", tmp_path) is None  # nothing imported for the defaults
+
+    # a server the environment names must answer (anything HTTP counts); a closed port does not
+    for name in ("wandb", "mlflow", "trackio"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed)
+    with pytest.raises(UserError, match=rf"--report-to mlflow: {closed}/health \(MLFLOW_TRACKING_URI\) does not "
+                                        "answer: .*; start the server"):
+        trackers.check_trackers("mlflow", tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", closed)
+    assert trackers.tracker_problem("wandb", tmp_path).startswith(f"--report-to wandb: {closed} (WANDB_BASE_URL)")
+    monkeypatch.setenv("TRACKIO_SERVER_URL", closed + "/?write_token=x")
+    assert trackers.tracker_problem("trackio", tmp_path).startswith(f"--report-to trackio: {closed}/ (TRACKIO_")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # offline: no server to ask
+    assert trackers.tracker_problem("wandb", tmp_path) is None
+
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.server_port}")
+    try:
+        assert trackers.tracker_problem("mlflow", tmp_path) is None
+    finally:
+        server.server_close()
+
+
+@pytest.mark.slow
+def test_missing_tracker_stops_before_anything_loads(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mlflow' or name.startswith('mlflow.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    out = tmp_path / "o"
+    proc = run_cli("train", "--step", "1", "--model", "tiny", "--max-steps", "1", "--no-progress", "--output-dir",
+                   str(out), "--report-to", "tensorboard,mlflow",
+                   env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "dschat: error: --report-to mlflow: the mlflow package is not installed; pip install \"dschat[mlflow]\" " \
+        "(in a checkout: pip install -r requirements-mlflow.txt) or drop mlflow from --report-to"
+    assert "Traceback" not in proc.stderr and "[step1_sft]" not in proc.stderr  # no data, no model
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_alarms_samples_and_config_reach_every_tracker(tmp_path):
+    needs_trackers()
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+    in_child("write_every_tracker", out, env)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "mlflow", "tensorboard", "trackio", "wandb"]
+    got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})
+    assert_every_scalar_found(got, out)
+    text = trackers.alarm_text(ALARM)
+    assert text == "step 2: KL to the reference above 1 nat per token (train/kl = 3.5, threshold 1); action: warn"
+
+    w = got["wandb"]
+    assert (w["name"], w["project"], w["config"]["seed"], w["config"]["data"]) == ("run", "dschat", 7, ["a.jsonl"])
+    assert [(a["title"], a["text"]) for a in w["alerts"]] == [("dschat health alarm: kl_max", text)]
+    assert w["tables"]["2"]["columns"] == ["step", "prompt", "answer", "reward"]
+    assert w["tables"]["2"]["data"] == [[2, "1+1=", "= 2", 1.0], [2, "2+2=", "= 5", 0.0]]
+    assert "eval/reward" not in w["history"]["2"] and w["exit"][0].get("exit_code", 0) == 0
+
+    m = got["mlflow"]
+    assert (m["name"], m["status"], m["params"]) == ("run", "FINISHED", {"seed": "7", "data": '["a.jsonl"]'})
+    assert m["alarms"] == [{**ALARM, "text": text}]
+    rows = [{"step": 2, **r} for r in SAMPLES]
+    assert m["samples"] == {"samples/step_00000002.json": rows}
+
+    t = got["trackio"]
+    assert Path(t["dir"]) == out / "trackio" and t["name"] == "run"
+    assert (t["config"]["seed"], t["config"]["data"]) == (7, ["a.jsonl"])
+    assert [(a["title"], a["text"]) for a in t["alerts"]] == [("dschat health alarm: kl_max", text)]
+    [table] = [r["eval/samples"] for r in t["logs"] if "eval/samples" in r]
+    assert table["_value"] == rows
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_to_every_tracker(tmp_path):
+    needs_trackers()
+    out = tmp_path / "sft"
+    env = tracker_env(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "from dschat.cli.main import cli; cli()", "train", "--step", "1",
+                           "--model", "tiny", "--max-steps", "3", "--no-progress", "--output-dir", str(out),
+                           "--report-to", ALL], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"metrics.jsonl", "tensorboard", "wandb", "mlflow", "trackio"} <= {p.name for p in out.iterdir()}
+    args = read_json(out / "args.json")
+    got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})
+    assert_every_scalar_found(got, out)
+    assert sorted(jsonl_scalars(out)) == [0, 1, 2, 3]
+    # each tracker holds the run's configuration: args.json, flag for flag
+    assert got["wandb"]["config"]["report_to"] == ALL and got["wandb"]["config"]["max_steps"] == 3
+    assert got["mlflow"]["params"] == {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
+    assert {k: got["trackio"]["config"][k] for k in args} == args
+    assert got["mlflow"]["status"] == "FINISHED" and got["wandb"]["name"] == got["trackio"]["name"] == "sft"
