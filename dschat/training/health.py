@@ -159,11 +159,19 @@ def _kl_key(h: History) -> str:
     return "train/kl_per_token" if "train/kl_per_token" in h.series else "train/kl"
 
 
+def _last_step_within(h: History, key: str, ok: Callable[[float], bool]) -> int:
+    """The last step whose ``key`` was acceptable (``ok``), or 0: where a rollback for a figure past a level must
+    land, since a state already past it would only fire again."""
+    return next((s for s, v in reversed(h.series.get(key, [])) if ok(v)), 0)
+
+
 def _kl_max(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     key = _kl_key(h)
     xs = h.values(key)
     if xs and h.steps(key)[-1] == step and xs[-1] > a.alarm_kl_max:
-        return key, xs[-1], a.alarm_kl_max, "KL to the reference above its ceiling", step - 1
+        # the KL logged at a step is the policy's before that step's update: the state of that step is past it
+        since = _last_step_within(h, key, lambda v: v <= a.alarm_kl_max)
+        return key, xs[-1], a.alarm_kl_max, "KL to the reference above its ceiling", max(0, since - 1)
     return None
 
 
@@ -235,13 +243,14 @@ def _eos_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     return None
 
 
-def _best_before(h: History, key: str) -> tuple[int, float, int] | None:
-    """(index, value, step) of the best earlier evaluation of ``key`` (excluding the latest)."""
+def _against_best(h: History, key: str, step: int) -> tuple[int, float, int, float] | None:
+    """At an evaluation of ``key`` at ``step``: the index, value and step of its best earlier evaluation, and the
+    latest value; None at any other step or before a second evaluation."""
     xs = h.values(key)
-    if len(xs) < 2:
+    if h.steps(key)[-1:] != [step] or len(xs) < 2:
         return None
     i = max(range(len(xs) - 1), key=lambda j: xs[j])
-    return i, xs[i], h.steps(key)[i]
+    return i, xs[i], h.steps(key)[i], xs[-1]
 
 
 def _train_rose(h: History, key: str, since: int) -> bool:
@@ -258,13 +267,10 @@ def _train_rose(h: History, key: str, since: int) -> bool:
 
 def _reward_hacking(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     key = "eval/reward"
-    if h.steps(key)[-1:] != [step]:
-        return None
-    best = _best_before(h, key)
+    best = _against_best(h, key, step)
     if best is None:
         return None
-    i, top, top_step = best
-    now = h.values(key)[-1]
+    i, top, top_step, now = best
     ses = h.values("eval/reward_se")
     se = math.sqrt(ses[i] ** 2 + ses[-1] ** 2) if len(ses) == len(h.values(key)) else 0.0
     threshold = top - a.alarm_hacking_z * se
@@ -319,13 +325,10 @@ def _rm_range(step: int, h: History, a: HealthArgs, c: Context) -> Any:
 
 def _overfit(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     key = "eval/accuracy"
-    if h.steps(key)[-1:] != [step]:
-        return None
-    best = _best_before(h, key)
+    best = _against_best(h, key, step)
     if best is None:
         return None
-    _, top, top_step = best
-    now = h.values(key)[-1]
+    _, top, top_step, now = best
     if now < top - a.alarm_overfit and _train_rose(h, "train/accuracy", top_step):
         return key, now, top - a.alarm_overfit, f"held-out accuracy fell from {top:.3f} (step {top_step}) while " \
                                                 "the training accuracy rose", top_step
@@ -445,13 +448,29 @@ class HealthMonitor:
             self.log(f"rolled back to {_RESTART['state']}: learning rates x{target:g} from here "
                      f"(rollback {self.rollbacks} of {self.args.max_rollbacks})")
             _RESTART.clear()
+        # the history up to the restored step (metrics.jsonl was cut there), so the trend checks' windows and
+        # baselines are those an uninterrupted run would have
+        step = int((state or {}).get("step", 0))
+        metrics = self.dir / "metrics.jsonl"
+        if step and metrics.exists():
+            for line in metrics.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("step", 0) <= step:
+                    self.history.add(int(row.pop("step", 0)), {k: v for k, v in row.items() if k != "time"})
         path = self.dir / "health.jsonl"
         if path.exists():
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
-                    self.alarms.append(Alarm(**json.loads(line)))
+                    alarm = Alarm(**json.loads(line))
                 except (json.JSONDecodeError, TypeError):
                     continue
+                self.alarms.append(alarm)
+                if alarm.step <= step:  # quiet for its window, as it was in the run that fired it
+                    self.quiet_until[alarm.check] = max(self.quiet_until.get(alarm.check, -1),
+                                                        alarm.step + self.args.alarm_window)
 
     # ------------------------------------------------------------------ checks
     def observe(self, step: int, row: dict[str, Any]) -> list[Alarm]:
