@@ -203,17 +203,25 @@ def _entropy_min(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     return None
 
 
-def _entropy_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
-    xs = h.values("train/entropy")
-    base = _baseline(xs, a.alarm_window)
-    if base is None or base <= 0:
+def _fell_from_baseline(h: History, key: str, window: int, drop: float,
+                        min_base: float) -> tuple[float, float, float] | None:
+    """``(baseline, recent mean, floor)`` when the mean of ``key`` over the last half-window is below
+    ``(1 - drop)`` times its baseline (the run's first half-window, at least ``min_base``); else None."""
+    xs = h.values(key)
+    base = _baseline(xs, window)
+    if base is None or base <= 0 or base < min_base:
         return None
-    now = _mean(xs[-(a.alarm_window // 2):])
-    floor = (1 - a.alarm_entropy_drop) * base
-    if now < floor:
-        return "train/entropy", now, floor, f"policy entropy fell {1 - now / base:.0%} from its baseline {base:.4g}", \
-            _window_start(h, "train/entropy", a.alarm_window // 2)
-    return None
+    now, floor = _mean(xs[-(window // 2):]), (1 - drop) * base
+    return (base, now, floor) if now < floor else None
+
+
+def _entropy_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
+    fell = _fell_from_baseline(h, "train/entropy", a.alarm_window, a.alarm_entropy_drop, 0.0)
+    if fell is None:
+        return None
+    base, now, floor = fell
+    return "train/entropy", now, floor, f"policy entropy fell {1 - now / base:.0%} from its baseline {base:.4g}", \
+        _window_start(h, "train/entropy", a.alarm_window // 2)
 
 
 def _length_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
@@ -231,16 +239,12 @@ def _length_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
 
 
 def _eos_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
-    xs = h.values("train/eos_rate")
-    base = _baseline(xs, a.alarm_window)
-    if base is None or base < 0.2:
+    fell = _fell_from_baseline(h, "train/eos_rate", a.alarm_window, a.alarm_eos_drop, 0.2)
+    if fell is None:
         return None
-    now = _mean(xs[-(a.alarm_window // 2):])
-    floor = (1 - a.alarm_eos_drop) * base
-    if now < floor:
-        return "train/eos_rate", now, floor, f"EOS rate fell from its baseline {base:.2f}", \
-            _window_start(h, "train/eos_rate", a.alarm_window // 2)
-    return None
+    base, now, floor = fell
+    return "train/eos_rate", now, floor, f"EOS rate fell from its baseline {base:.2f}", \
+        _window_start(h, "train/eos_rate", a.alarm_window // 2)
 
 
 def _against_best(h: History, key: str, step: int) -> tuple[int, float, int, float] | None:
