@@ -85,6 +85,26 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
+def read_jsonl_rows(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSON Lines file and how many non-blank lines were not one (a running job's
+    half-written last line, a line cut by a full disk); those are skipped."""
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    for line in Path(path).read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``final`` in one rename.

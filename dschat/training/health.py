@@ -33,7 +33,7 @@ from typing import Any
 from dschat import engine as E
 from dschat.config import HealthArgs
 from dschat.errors import UserError
-from dschat.utils import atomic_write_text
+from dschat.utils import atomic_write_text, read_jsonl_rows
 
 STOP_EXIT_CODE = 4
 KL_GROWTH_FLOOR = 0.05  # nats per token: below it a growing KL is still small
@@ -457,24 +457,19 @@ class HealthMonitor:
         step = int((state or {}).get("step", 0))
         metrics = self.dir / "metrics.jsonl"
         if step and metrics.exists():
-            for line in metrics.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+            for row in read_jsonl_rows(metrics)[0]:
                 if row.get("step", 0) <= step:
                     self.history.add(int(row.pop("step", 0)), {k: v for k, v in row.items() if k != "time"})
         path = self.dir / "health.jsonl"
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    alarm = Alarm(**json.loads(line))
-                except (json.JSONDecodeError, TypeError):
-                    continue
-                self.alarms.append(alarm)
-                if alarm.step <= step:  # quiet for its window, as it was in the run that fired it
-                    self.quiet_until[alarm.check] = max(self.quiet_until.get(alarm.check, -1),
-                                                        alarm.step + self.args.alarm_window)
+        for record in read_jsonl_rows(path)[0] if path.exists() else []:
+            try:
+                alarm = Alarm(**record)
+            except TypeError:
+                continue
+            self.alarms.append(alarm)
+            if alarm.step <= step:  # quiet for its window, as it was in the run that fired it
+                self.quiet_until[alarm.check] = max(self.quiet_until.get(alarm.check, -1),
+                                                    alarm.step + self.args.alarm_window)
 
     # ------------------------------------------------------------------ checks
     def observe(self, step: int, row: dict[str, Any]) -> list[Alarm]:

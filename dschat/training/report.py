@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.utils import atomic_write_text
+from dschat.utils import atomic_write_text, read_jsonl_rows
 
 __all__ = ["PLOTS", "Plot", "Run", "Section", "default_out", "load_run", "read_jsonl_rows", "sections_of",
            "write_report"]
@@ -85,26 +85,6 @@ BEFORE_AFTER = "reward_before_after"  # the PNG of eval.json's reward before and
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def read_jsonl_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a JSON Lines file and how many non-blank lines were not one (a running job's
-    half-written last line, a line cut by a full disk); those are skipped."""
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
-
-
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object file, or None when it is absent or unreadable (being written, say)."""
     try:

@@ -40,7 +40,7 @@ from dschat.diskfull import DiskFull, disk_full_error, is_disk_full, remove_quie
 from dschat.errors import UserError
 from dschat.models.lora import lora_args_of
 from dschat.models.reward_model import RewardModel, hf_model
-from dschat.utils import atomic_write_text
+from dschat.utils import atomic_write_text, read_jsonl_rows, write_jsonl
 
 TAG = "state"
 
@@ -240,12 +240,5 @@ def truncate_metrics(output_dir: str | Path, step: int) -> None:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists() or not E.is_main():
         return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("step", 0) <= step:
-            keep.append(line)
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    rows, _ = read_jsonl_rows(path)
+    write_jsonl([row for row in rows if row.get("step", 0) <= step], path)

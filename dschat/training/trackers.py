@@ -93,7 +93,29 @@ class TensorBoardSink:
         self.writer.close()
 
 
-class WandbSink:
+class RunApiSink:
+    """What W&B and Trackio share (Trackio follows W&B's run API): scalars through ``run.log``, alarms as
+    ``run.alert``, sampled answers as the library's ``Table``. ``lib`` is the module; ``quiet`` wraps the calls that
+    print to stdout."""
+
+    lib: Any
+    run: Any
+    quiet: Any = contextlib.nullcontext
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def alarm(self, record: dict[str, Any]) -> None:
+        with self.quiet():
+            self.run.alert(title=f"dschat health alarm: {record.get('check', '')}", text=alarm_text(record),
+                           level=self.lib.AlertLevel.WARN)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = self.lib.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(step, rows))
+        self.run.log({"eval/samples": table}, step=step)
+
+
+class WandbSink(RunApiSink):
     """A W&B run: offline under ``O/wandb/`` unless ``WANDB_MODE`` says otherwise (``wandb sync O/wandb/offline-run-*``
     uploads it later). Alarms are W&B alerts; sampled answers a ``wandb.Table`` (``eval/samples``)."""
 
@@ -102,7 +124,7 @@ class WandbSink:
     def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any]):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         kwargs: dict[str, Any] = {}
         if not os.environ.get("WANDB_MODE"):
             kwargs["mode"] = "offline"
@@ -112,17 +134,6 @@ class WandbSink:
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT,
                               name=os.environ.get("WANDB_NAME") or run_name, config=config,
                               settings=wandb.Settings(**settings), **kwargs)
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
-
-    def alarm(self, record: dict[str, Any]) -> None:
-        self.run.alert(title=f"dschat health alarm: {record.get('check', '')}", text=alarm_text(record),
-                       level=self.wandb.AlertLevel.WARN)
-
-    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(step, rows))
-        self.run.log({"eval/samples": table}, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -196,7 +207,7 @@ def import_trackio(output_dir: Path) -> Any:
     return trackio
 
 
-class TrackioSink:
+class TrackioSink(RunApiSink):
     """A Trackio run in the project ``dschat``: configuration, scalars, alarms as Trackio alerts, sampled answers as
     a ``trackio.Table`` (``eval/samples``). Local store ``O/trackio/`` (``TRACKIO_DIR=O/trackio trackio show``)."""
 
@@ -204,7 +215,8 @@ class TrackioSink:
 
     def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any]):
         trackio = import_trackio(output_dir)
-        self.trackio = trackio
+        self.lib = trackio
+        self.quiet = quiet_stdout
         with quiet_stdout():  # trackio prints its banner to stdout; dschat's stdout carries results only
             self.run = trackio.init(project=PROJECT, name=run_name, config=config, embed=False)
         from trackio.utils import TRACKIO_DIR
@@ -213,21 +225,9 @@ class TrackioSink:
         self.where = f"run {run_name} in " + (remote or f"{TRACKIO_DIR} (view: TRACKIO_DIR={TRACKIO_DIR} trackio "
                                                          f"show --project {PROJECT})")
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
-
-    def alarm(self, record: dict[str, Any]) -> None:
-        with quiet_stdout():
-            self.run.alert(title=f"dschat health alarm: {record.get('check', '')}", text=alarm_text(record),
-                           level=self.trackio.AlertLevel.WARN)
-
-    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.trackio.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(step, rows))
-        self.run.log({"eval/samples": table}, step=step)
-
     def close(self, failed: bool) -> None:
         with quiet_stdout():
-            self.trackio.finish()
+            self.lib.finish()
 
 
 @contextlib.contextmanager
