@@ -185,7 +185,7 @@ def _kl_growth(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if now > KL_GROWTH_FLOOR and now > a.alarm_kl_growth * max(then, 1e-12):
         return key, now, a.alarm_kl_growth * then, \
             f"KL grew {now / max(then, 1e-12):.1f}x within {a.alarm_window} steps", \
-            _window_start(h, key, a.alarm_window // 2)
+            _window_start(h, key, a.alarm_window)
     return None
 
 
@@ -199,7 +199,7 @@ def _entropy_min(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if len(xs) >= a.alarm_window // 2 and _mean(xs[-(a.alarm_window // 2):]) < a.alarm_entropy_min:
         now = _mean(xs[-(a.alarm_window // 2):])
         return "train/entropy", now, a.alarm_entropy_min, "policy entropy collapsed below its floor", \
-            _window_start(h, "train/entropy", a.alarm_window // 2)
+            _window_start(h, "train/entropy", a.alarm_window)
     return None
 
 
@@ -221,7 +221,7 @@ def _entropy_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
         return None
     base, now, floor = fell
     return "train/entropy", now, floor, f"policy entropy fell {1 - now / base:.0%} from its baseline {base:.4g}", \
-        _window_start(h, "train/entropy", a.alarm_window // 2)
+        _window_start(h, "train/entropy", a.alarm_window)
 
 
 def _length_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
@@ -234,7 +234,7 @@ def _length_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if now >= limit:
         return "train/answer_length", now, limit, \
             f"answers grew to the length cap {c.max_answer_len} (baseline {base:.1f} tokens)", \
-            _window_start(h, "train/answer_length", a.alarm_window // 2)
+            _window_start(h, "train/answer_length", a.alarm_window)
     return None
 
 
@@ -244,7 +244,7 @@ def _eos_drop(step: int, h: History, a: HealthArgs, c: Context) -> Any:
         return None
     base, now, floor = fell
     return "train/eos_rate", now, floor, f"EOS rate fell from its baseline {base:.2f}", \
-        _window_start(h, "train/eos_rate", a.alarm_window // 2)
+        _window_start(h, "train/eos_rate", a.alarm_window)
 
 
 def _against_best(h: History, key: str, step: int) -> tuple[int, float, int, float] | None:
@@ -303,7 +303,7 @@ def _source_divergence(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if zs[up] > a.alarm_hacking_z and zs[down] < -a.alarm_hacking_z and below:
         return down, zs[down], -a.alarm_hacking_z, \
             f"{up.split('/')[-1]} rose ({zs[up]:.1f} s.e.) while {down.split('/')[-1]} fell", \
-            _window_start(h, down, a.alarm_window // 2)
+            _window_start(h, down, a.alarm_window)
     return None
 
 
@@ -323,7 +323,7 @@ def _rm_range(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if abs(now - mean) > a.alarm_rm_sigma * std:
         return key, now, mean + math.copysign(a.alarm_rm_sigma * std, now - mean), \
             f"reward-model scores left the range of stage 2 (mean {mean:.3g}, std {std:.3g})", \
-            _window_start(h, key, a.alarm_window // 2)
+            _window_start(h, key, a.alarm_window)
     return None
 
 
@@ -348,7 +348,7 @@ def _score_drift(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     if abs(level) > a.alarm_score_drift:
         return "train/chosen_score", level, math.copysign(a.alarm_score_drift, level), \
             "chosen and rejected scores drifted together (their mean)", \
-            _window_start(h, "train/chosen_score", a.alarm_window // 2)
+            _window_start(h, "train/chosen_score", a.alarm_window)
     return None
 
 
@@ -362,7 +362,7 @@ def _value_growth(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     now = _mean(xs[-n:])
     if median > 0 and now > a.alarm_value_growth * median:
         return key, now, a.alarm_value_growth * median, f"critic loss {now / median:.1f}x its running median", \
-            _window_start(h, key, a.alarm_window // 2)
+            _window_start(h, key, a.alarm_window)
     return None
 
 
@@ -372,7 +372,7 @@ def _clip_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
         xs = h.values(key)
         if len(xs) >= n and h.steps(key)[-1] == step and min(xs[-n:]) >= a.alarm_clip_frac:
             return key, _mean(xs[-n:]), a.alarm_clip_frac, f"policy ratio clipped on every step for {n} steps", \
-                _window_start(h, key, a.alarm_window // 2)
+                _window_start(h, key, a.alarm_window)
     return None
 
 

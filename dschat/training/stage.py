@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 import shutil
@@ -21,7 +22,7 @@ from dschat.data.packing import LengthGroupedSampler, best_capacity, pack_rows
 from dschat.errors import UserError
 from dschat.models.loading import TINY
 from dschat.training.lock import claim_output_dir
-from dschat.training.resume import Checkpointer, checkpoint_root, latest_state
+from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
 from dschat.training.trackers import check_trackers
 from dschat.utils import set_seed, write_json
 
@@ -249,6 +250,7 @@ class ResumableLoop:
         self.extras: dict[str, Any] = {}
         self.health: Any = None  # a HealthMonitor: responds to its alarms after each step (dschat.training.health)
         self._save_now: Callable[[], Path | None] = self.save
+        self._boundary: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]] | None = None
 
     def watch(self, health: Any) -> None:
         """Let ``health`` act after each step (and resume its own state from the restored one)."""
@@ -267,6 +269,13 @@ class ResumableLoop:
             return None
         return self.ckpt.save(self.step, {**self.position, **self.extras} if fields is None else fields, tensors)
 
+    def _start_state(self, save: Callable[[], Path | None]) -> None:
+        """Under ``--on-alarm rollback``, a state of step 0 before a new run's first step: an alarm whose window
+        reaches back to the start of the run then has a state to return to."""
+        if self.step == 0 and self.resumed_from is None and self.health is not None and \
+                self.health.args.on_alarm == "rollback":
+            save()
+
     def _after_step(self, total_steps: int, save: Callable[[], Path | None]) -> None:
         if self.health is not None:
             self.health.respond(self)
@@ -280,6 +289,7 @@ class ResumableLoop:
         dev = E.device()
         engine = next(iter(self.engines.values()))
         with save_on_interrupt(self.save):
+            self._start_state(self.save)
             for epoch, done, batch in resumable_batches(loader, epochs, self.position["epoch"],
                                                         self.position["batches"]):
                 if self.step >= total_steps:
@@ -306,7 +316,9 @@ class ResumableLoop:
 
         self._save_now = save
         with stop_after_step(self.stage.log) as stop:
+            self._start_state(save)
             while self.step < total_steps:
+                self._boundary = (copy.deepcopy(fields()), tensors(), _rng_state())
                 yield self.step + 1
                 self.step += 1
                 if stop.requested() and self.step < total_steps and (saved := save()) is not None:
@@ -314,6 +326,21 @@ class ResumableLoop:
                 self._after_step(total_steps, save)
             if self.save_final:
                 save()
+
+
+    def save_last_step(self) -> Path | None:
+        """Stage 3, from inside a step before its update (a reward source went down while scoring): a state of the
+        last completed step. The fields, tensors and RNG are those kept at the step boundary, the engines those the
+        unfinished step has not changed yet, so a resumed run goes on as an uninterrupted one."""
+        if self._boundary is None:
+            return None
+        fields, tensors, rng = self._boundary
+        now = _rng_state()
+        _set_rng_state(rng)
+        try:
+            return self.save(fields, tensors)
+        finally:
+            _set_rng_state(now)
 
 
 class Interrupted(UserError):

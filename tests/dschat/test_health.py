@@ -249,7 +249,7 @@ def make_states(tmp_path: Path, steps: list[int]) -> Path:
 
 
 def test_rollback_picks_the_state_before_the_window_and_keeps_the_newer_ones(tmp_path):
-    root = make_states(tmp_path, [10, 20, 30])
+    root = make_states(tmp_path, [0, 10, 20, 30])  # step 0: the state a rollback run saves before its first step
     m = monitor(tmp_path, on_alarm="rollback", rollback_lr_scale=0.25)
     rows = healthy(30)
     for i, r in enumerate(rows):
@@ -261,7 +261,9 @@ def test_rollback_picks_the_state_before_the_window_and_keeps_the_newer_ones(tmp
     rb = e.value
     alarm = m.summary()[0]
     assert alarm["check"] == "kl_growth" and alarm["action"] == "rollback"
-    assert rb.state.name == f"step-{max(s for s in (10, 20, 30) if s <= alarm['since']):08d}"
+    # the trend checks land before their whole window (both halves): the earlier half already held the rise
+    assert alarm["since"] <= alarm["step"] - 20
+    assert rb.state.name == f"step-{max(s for s in (0, 10, 20, 30) if s <= alarm['since']):08d}"
     assert rb.lr_scale == 0.25 and rb.rollbacks == 1
     assert (root / "latest").read_text().strip() == rb.state.name
     kept_aside = sorted(p.name for p in (root / "rolled-back-1").iterdir())
