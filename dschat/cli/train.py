@@ -51,8 +51,10 @@ def launcher_argv(script: str, args: list[str], num_gpus: int | None, hostfile: 
 @click.option("--hostfile", default=None, help="Run under the deepspeed launcher on the hosts of this hostfile.")
 @click.option("--master-port", "--master_port", "master_port", type=int, default=None,
               help="Rendezvous port for the launcher (default: a free port).")
+@click.option("--plan", is_flag=True, help="Print the per-GPU memory and time plan of these flags (as dschat plan "
+                                            "does) and stop before loading anything; exit code 3 if it does not fit.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_port: int | None,
+def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_port: int | None, plan: bool,
           args: tuple[str, ...]) -> None:
     """Train one stage: dschat train --step N [stage flags...]; add --help after --step N for its flags."""
     if step is None:
@@ -60,6 +62,13 @@ def train(step: int | None, num_gpus: int | None, hostfile: str | None, master_p
             click.echo(click.get_current_context().get_help())
             return
         raise UserError("missing --step (1 SFT, 2 reward model, 3 RLHF)")
+    if plan:  # before the stage module is imported: nothing loads
+        from dschat.cli.plan import print_plan
+
+        code = print_plan(step, list(args), num_gpus=num_gpus or 1)
+        if code:
+            sys.exit(code)
+        return
     module = stage_module(step)
     if num_gpus or hostfile:
         cmd = launcher_argv(module.__file__, list(args), num_gpus, hostfile, master_port)

@@ -1,0 +1,75 @@
+"""The planner's GPU table: memory, dense 16-bit tensor throughput and memory bandwidth (vendor datasheets).
+
+Memory is what ``nvidia-smi`` reports as the total (MiB); FLOPs are dense (no structured sparsity) bf16 with fp32
+accumulation, fp16 for the V100, which has no bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dschat.errors import UserError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory: int  # bytes
+    flops: float  # peak dense 16-bit FLOP/s
+    bandwidth: float  # bytes/s
+    bf16: bool = True
+
+
+GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
+    GPU("A100-40GB", 40960 * MiB, 312e12, 1.555e12),
+    GPU("A100-80GB", 81920 * MiB, 312e12, 2.039e12),
+    GPU("H100-80GB", 81559 * MiB, 989e12, 3.35e12),
+    GPU("H200", 143771 * MiB, 989e12, 4.8e12),
+    GPU("L40S", 46068 * MiB, 362e12, 0.864e12),
+    GPU("L4", 23034 * MiB, 121e12, 0.3e12),
+    GPU("A10G", 23028 * MiB, 70e12, 0.6e12),
+    GPU("RTX 4090", 24564 * MiB, 165e12, 1.008e12),
+    GPU("V100-32GB", 32768 * MiB, 125e12, 0.9e12, bf16=False),
+)}
+DEFAULT_GPU = "A100-80GB"
+# Names without the memory size, for the GPUs whose common form has one size.
+SHORT_NAMES = {"h100": "h10080gb", "v100": "v10032gb", "rtx4090": "rtx4090", "4090": "rtx4090"}
+
+
+def find_gpu(name: str) -> GPU:
+    """A GPU of the table by name, ignoring case, spaces and dashes (``h100``, ``a100-80gb``, ``rtx4090``)."""
+    def key(s: str) -> str:
+        return s.lower().replace(" ", "").replace("-", "").replace("_", "")
+
+    wanted = SHORT_NAMES.get(key(name), key(name))
+    for g in GPUS.values():
+        if key(g.name) == wanted:
+            return g
+    raise UserError(f"--gpu {name!r} is not in the GPU table ({', '.join(g.name for g in GPUS.values())}); give "
+                    f"--gpu-memory instead")
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB`` (decimal), ``40960MiB``, ``24G`` (binary) or a plain number of bytes."""
+    units = {"tib": 1024**4, "gib": GiB, "mib": MiB, "kib": 1024, "tb": 10**12, "gb": 10**9, "mb": 10**6,
+             "kb": 10**3, "t": 1024**4, "g": GiB, "m": MiB, "k": 1024, "b": 1, "": 1}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise UserError(f"cannot read {text!r} as a memory size (e.g. 80GiB, 40GB, 24576MiB)")
+    return int(value * units[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as GiB (or MiB below 1 GiB) with one or two decimals."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"

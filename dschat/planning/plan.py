@@ -1,0 +1,583 @@
+"""``make_plan``: per-GPU memory of a stage's models in each phase, a verdict, and a roofline time estimate.
+
+The stage's flags are parsed by the stage's own config class (``dschat.config.build_config``), so the planner
+reads exactly what ``dschat train --step N`` would; model shapes come from config files alone
+(``dschat.planning.shapes``) and the arithmetic from ``dschat.planning.memory``. Nothing here loads weights or
+imports torch (stage 3's config module does import the training stack: its flags are declared beside it).
+
+Phases: stages 1 and 2 have one (``train``: the trained model's micro-batch, and a distillation teacher's
+forward). Stage 3 has ``generate`` (the actor's weights gathered whole under ZeRO-3, as the generation path and
+DeepSpeed's hybrid engine do, plus the KV cache of the generation batch), ``experience`` (the largest of the
+forwards of actor, reference, critic and reward model over the generated rows; they run one after another),
+``train actor`` and ``train critic``. Every model's resident bytes (weights, gradients, optimizer states) count in
+every phase; a phase adds its transient bytes. The peak is the largest phase, plus a fixed reserve for the CUDA
+context, communication buffers and allocator slack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dschat.errors import UserError
+from dschat.planning.gpus import DEFAULT_GPU, GPU, GPUS, GiB, find_gpu, fmt_bytes
+from dschat.planning.memory import (
+    ModelStates,
+    Sharding,
+    frozen_weights,
+    gradient_bucket_bytes,
+    inference_activations,
+    kv_cache_bytes,
+    lora_params,
+    model_states,
+    training_activations,
+)
+from dschat.planning.shapes import ModelShape, model_config, shape_from_config
+
+# CUDA context, NCCL buffers and the caching allocator's slack, per GPU.
+RESERVE_BYTES = int(1.5 * GiB)
+# Efficiency assumptions of the time estimate (docs/planning.md): model FLOPs utilisation of training and of the
+# frozen forwards, and the share of the memory bandwidth a decode step reaches.
+TRAIN_MFU = 0.40
+FORWARD_MFU = 0.40
+DECODE_BANDWIDTH = 0.60
+# The LoRA rank the suggestion tries (DeepSpeed-Chat's example scripts use 128).
+SUGGESTED_LORA_DIM = 128
+MAX_GPUS_PER_NODE = 8
+MAX_NODES = 64
+
+
+@dataclass
+class ModelPlan:
+    """One model of the stage: its role, shape, parameter counts, how it is held, and its resident bytes."""
+
+    role: str  # model, teacher, reward model, actor, critic, reference, reward
+    name: str  # the --model value
+    shape: ModelShape
+    head: str  # "lm" or "value"
+    params: int
+    trainable: int  # 0 for a frozen model
+    sharding: Sharding
+    states: ModelStates
+    source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "model": self.name, "source": self.source, "params": self.params,
+                "trainable": self.trainable, "zero_stage": self.sharding.stage, "offload": self.sharding.offload,
+                "dtype_bytes": self.sharding.dtype_bytes,
+                "states": {"weights": self.states.weights, "gathered": self.states.gathered,
+                           "gradients": self.states.gradients, "optimizer": self.states.optimizer,
+                           "gradient_bucket": self.states.buckets,
+                           "total": self.states.total, "cpu": self.states.cpu},
+                "shape": self.shape.to_json()}
+
+
+@dataclass
+class Phase:
+    """A phase's transient bytes per GPU on top of the resident model states: ``(role, what, bytes)`` items."""
+
+    name: str
+    items: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def transient(self) -> int:
+        return sum(b for _, _, b in self.items)
+
+
+@dataclass
+class Throughput:
+    """The roofline time estimate of one optimizer step (stage 3: one update) and of the run."""
+
+    flops_per_step: float  # per GPU
+    step_seconds: float
+    steps: int | None  # None: neither --max-steps nor --rows given
+    parts: dict[str, float]  # seconds per step by part
+    tokens_per_step: int  # per GPU
+    notes: list[str]
+
+    @property
+    def total_seconds(self) -> float | None:
+        return None if self.steps is None else self.steps * self.step_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flops_per_step_per_gpu": self.flops_per_step, "step_seconds": self.step_seconds,
+                "steps": self.steps, "total_seconds": self.total_seconds, "parts_seconds": self.parts,
+                "tokens_per_step_per_gpu": self.tokens_per_step, "assumptions": self.notes}
+
+
+@dataclass
+class Plan:
+    """What ``dschat plan`` prints: the per-GPU memory table, the verdict, a suggestion, the time estimate."""
+
+    step: int
+    gpu: GPU
+    num_gpus: int
+    nodes: int
+    memory: int  # bytes per GPU
+    reserve: int
+    models: list[ModelPlan]
+    phases: list[Phase]
+    throughput: Throughput
+    checkpoint_bytes: int  # the model folder(s) the stage saves
+    state_bytes: int  # one resumable training state (weights + fp32 master and Adam moments)
+    settings: dict[str, Any]
+    suggestion: str | None = None
+    suggested_flags: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def resident(self) -> int:
+        return sum(m.states.total for m in self.models)
+
+    def phase_total(self, phase: Phase) -> int:
+        return self.resident + phase.transient + self.reserve
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phase_total(self.peak_phase)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.memory
+
+    @property
+    def cpu_bytes(self) -> int:
+        """CPU memory per GPU that offload takes (optimizer states, ZeRO-3 parameters, offloaded frozen models)."""
+        return sum(m.states.cpu for m in self.models)
+
+    def table(self) -> str:
+        """The plan as text: model states, phases, verdict, time."""
+        n = self.num_gpus * self.nodes
+        s = self.settings
+        lines = [f"dschat plan: step {self.step}{' (' + s['algo'] + ')' if self.step == 3 else ''} on {n} x "
+                 f"{self.gpu.name} ({self.num_gpus} per node x {self.nodes} node{'s' if self.nodes > 1 else ''}), "
+                 f"{fmt_bytes(self.memory)} per GPU; {s['dtype']}, micro-batch {s['micro_batch']}, sequence "
+                 f"{s['seq_len']} tokens", ""]
+        head = ["role", "model", "params", "trainable", "ZeRO", "weights", "ZeRO-3 gather", "gradients", "optimizer",
+                "ZeRO-3 bucket", "resident", "CPU (offload)"]
+        rows = [[m.role, m.name, _count(m.params), _count(m.trainable) if m.trainable else "frozen",
+                 f"{m.sharding.stage}{'+offload' if m.sharding.offload else ''}", fmt_bytes(m.states.weights),
+                 fmt_bytes(m.states.gathered), fmt_bytes(m.states.gradients), fmt_bytes(m.states.optimizer),
+                 fmt_bytes(m.states.buckets), fmt_bytes(m.states.total), fmt_bytes(m.states.cpu)]
+                for m in self.models]
+        lines += _grid(head, rows)
+        lines.append("")
+        peak = self.peak_phase
+        head = ["phase", "resident", "transient (what)", "reserve", "total per GPU"]
+        rows = []
+        for p in self.phases:
+            what = "; ".join(f"{role} {w} {fmt_bytes(b)}" for role, w, b in p.items) or "-"
+            rows.append([p.name + (" (peak)" if p is peak else ""), fmt_bytes(self.resident), what,
+                         fmt_bytes(self.reserve), fmt_bytes(self.phase_total(p))])
+        lines += _grid(head, rows)
+        lines.append("")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"verdict: {verdict}: peak {fmt_bytes(self.peak_bytes)} ({peak.name}) of "
+                     f"{fmt_bytes(self.memory)} per GPU")
+        if self.cpu_bytes:
+            lines.append(f"CPU memory for offload: {fmt_bytes(self.cpu_bytes)} per GPU, "
+                         f"{fmt_bytes(self.cpu_bytes * self.num_gpus)} per node")
+        if self.suggestion:
+            lines.append(f"suggestion: {self.suggestion}")
+        t = self.throughput
+        parts = ", ".join(f"{k} {_secs(v)}" for k, v in t.parts.items())
+        unit = "update" if self.step == 3 else "step"
+        lines.append(f"time: {_secs(t.step_seconds)} per {unit} ({parts})" +
+                     (f"; {t.steps} {unit}s: {_secs(t.total_seconds or 0)}" if t.steps is not None else
+                      "; give --max-steps or --rows for the run's total"))
+        lines.append("assuming " + "; ".join(t.notes))
+        lines.append(f"saves: {fmt_bytes(self.checkpoint_bytes)} of model folders, "
+                     f"{fmt_bytes(self.state_bytes)} per resumable training state")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits, "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase.name,
+            "memory_bytes": self.memory, "reserve_bytes": self.reserve, "step": self.step,
+            "gpu": dataclasses.asdict(self.gpu), "num_gpus": self.num_gpus, "nodes": self.nodes,
+            "settings": self.settings, "models": [m.to_json() for m in self.models],
+            "phases": [{"phase": p.name, "resident_bytes": self.resident, "transient_bytes": p.transient,
+                        "total_bytes": self.phase_total(p),
+                        "items": [{"role": r, "what": w, "bytes": b} for r, w, b in p.items]} for p in self.phases],
+            "cpu_bytes": self.cpu_bytes, "checkpoint_bytes": self.checkpoint_bytes, "state_bytes": self.state_bytes,
+            "suggestion": self.suggestion, "suggested_flags": self.suggested_flags,
+            "throughput": self.throughput.to_json(),
+        }
+
+
+def config_class(step: int) -> type:
+    """The stage's config class (stage 3's imports the training stack)."""
+    if step == 1:
+        from dschat.config import SFTConfig
+
+        return SFTConfig
+    if step == 2:
+        from dschat.config import RewardConfig
+
+        return RewardConfig
+    if step == 3:
+        from dschat.rlhf.config import RLHFConfig
+
+        return RLHFConfig
+    raise UserError(f"--step must be 1, 2 or 3, got {step}")
+
+
+def make_plan(step: int, values: dict[str, Any], *, num_gpus: int = 1, nodes: int = 1, gpu_memory: int | None = None,
+              gpu: str | None = None, rows: int | None = None, reserve_bytes: int | None = None,
+              suggest: bool = True, whole_buckets: bool = True) -> Plan:
+    """Plan stage ``step`` for the flat stage flags ``values`` (the config's field names, as ``dschat train``
+    takes them) on ``num_gpus`` GPUs per node x ``nodes``.
+
+    ``gpu``: a name of ``dschat.planning.gpus.GPUS`` (its memory, FLOPs, bandwidth; default A100-80GB);
+    ``gpu_memory``: bytes per GPU (overrides the GPU's); ``rows``: training rows of the whole dataset (split by
+    ``--data-split``) for the run's time when ``--max-steps`` is not given; ``reserve_bytes``: fixed overhead
+    per GPU (default ``RESERVE_BYTES``); ``suggest``: search for the smallest change that fits when it does not;
+    ``whole_buckets=False`` counts only the written part of DeepSpeed's gradient bucket, as CPU memory sees it
+    (``dschat.planning.memory.gradient_bucket_bytes``; for checks on a CPU).
+    """
+    from dschat.config import build_config
+
+    if num_gpus < 1 or nodes < 1:
+        raise UserError("--num-gpus and --nodes must be at least 1")
+    dev = find_gpu(gpu) if gpu else GPUS[DEFAULT_GPU.lower()]
+    memory = gpu_memory if gpu_memory is not None else dev.memory
+    reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+    cfg = build_config(config_class(step), dict(values))
+    ranks = num_gpus * nodes
+    build = {1: _stage1, 2: _stage2, 3: _stage3}[step]
+    models, phases, throughput, settings = build(cfg, ranks, dev, rows, whole_buckets)
+    saved = [m for m in models if m.trainable or m.role == "actor EMA"]
+    checkpoint = sum(m.params * models[0].sharding.dtype_bytes for m in saved)
+    state = sum(m.params * m.sharding.dtype_bytes + 12 * m.trainable for m in models if m.trainable)
+    plan = Plan(step, dev, num_gpus, nodes, memory, reserve, models, phases, throughput, checkpoint, state, settings)
+    if suggest and not plan.fits:
+        plan.suggestion, plan.suggested_flags = _suggest(step, dict(values), num_gpus, nodes, memory, dev, reserve)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def _dtype_bytes(dtype: str, dev: GPU) -> tuple[int, str]:
+    if dtype == "fp32":
+        return 4, "fp32"
+    if dtype == "auto":
+        return 2, "bf16" if dev.bf16 else "fp16"
+    return 2, dtype
+
+
+def _model(role: str, name: str, head: str, sharding: Sharding, *, lora_dim: int = 0, lora_modules: str = "all-linear",
+           only_lora: bool = True, frozen: bool = False, whole_buckets: bool = True) -> ModelPlan:
+    config, source = model_config(name)
+    shape = shape_from_config(config, name)
+    params = shape.params(head)
+    adapters = lora_params(shape, lora_dim, lora_modules)
+    largest = shape.largest_module_params(head)
+    if frozen:
+        gpu, cpu = frozen_weights(params, largest, sharding)
+        states = ModelStates(gpu, 0, 0, 0, cpu)
+        return ModelPlan(role, name, shape, head, params, 0, sharding, states, source)
+    value_head = shape.hidden if head == "value" else 0
+    trainable = adapters + value_head if adapters and only_lora else params + adapters
+    states = model_states(params + adapters, trainable, largest, sharding)
+    if sharding.stage == 3:  # allocated once with the optimizer; ZeRO-1/2 allocate it per backward (``_bucket``)
+        states = dataclasses.replace(states, buckets=gradient_bucket_bytes(trainable, sharding, whole=whole_buckets))
+    return ModelPlan(role, name, shape, head, params + adapters, trainable, sharding, states, source)
+
+
+def _bucket(m: ModelPlan, whole: bool) -> list[tuple[str, str, int]]:
+    """The gradient bucket ZeRO-1/2 allocate at each backward and free after the step (a train-phase item; the
+    models of stage 3 train one after another, so their buckets never coexist)."""
+    if m.sharding.stage not in (1, 2) or not m.trainable:
+        return []
+    return [(m.role, "gradient bucket", gradient_bucket_bytes(m.trainable, m.sharding, whole=whole))]
+
+
+def _train_flops(m: ModelPlan, tokens: int, seq: int, checkpointing: bool) -> float:
+    """FLOPs of a training pass over ``tokens`` tokens: 2P forward, 2P backward through the activations, 2P for
+    the weight gradients (only the trainable ones), another 2P forward with checkpointing; attention adds
+    ``2 L s q`` per token forward (causal: the average context is s/2)."""
+    fwd = 2 * m.params + 2 * m.shape.layers * seq * m.shape.q_dim
+    backward_weights = 2 * m.trainable
+    backward_inputs = 2 * m.params + 4 * m.shape.layers * seq * m.shape.q_dim
+    return tokens * (fwd * (2 if checkpointing else 1) + backward_inputs + backward_weights)
+
+
+def _forward_flops(m: ModelPlan, tokens: int, seq: int) -> float:
+    return tokens * (2 * m.params + 2 * m.shape.layers * seq * m.shape.q_dim)
+
+
+def _steps(cfg: Any, rows: int | None, phase: int, rows_per_step: int) -> int | None:
+    """Optimizer steps (stage 3: updates) of the run: --max-steps, else epochs over this phase's share of
+    ``rows``; None when neither is known."""
+    if cfg.optim.max_steps > 0:
+        return int(cfg.optim.max_steps)
+    if rows is None:
+        return None
+    weights = [float(w) for w in cfg.data.data_split.split(",")]
+    share = weights[phase - 1] / sum(weights) if sum(weights) > 0 else 0.0
+    return max(1, math.ceil(rows * share / rows_per_step)) * cfg.optim.num_train_epochs
+
+
+def _one_model(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool, *, role: str, head: str,
+               pair: bool) -> tuple[
+        list[ModelPlan], list[Phase], Throughput, dict[str, Any]]:
+    d, dname = _dtype_bytes(cfg.model.dtype, dev)
+    z = Sharding(cfg.engine.zero_stage, ranks, cfg.engine.offload, d)
+    lo = cfg.lora
+    m = _model(role, cfg.model.model, head, z, lora_dim=lo.lora_dim, lora_modules=lo.lora_module_name,
+               only_lora=lo.only_optimize_lora, whole_buckets=whole)
+    b, s, gc = cfg.optim.per_device_train_batch_size, cfg.data.max_seq_len, cfg.model.gradient_checkpointing
+    batch_rows = 2 * b if pair else b  # stage 2: chosen and rejected in one batch
+    act = training_activations(m.shape, batch_rows, s, d, checkpointing=gc, head=head)
+    train = Phase("train", [(role, "activations" + (" (checkpointed)" if gc else ""), act), *_bucket(m, whole)])
+    models = [m]
+    teacher = getattr(getattr(cfg, "kd", None), "teacher_model", "")
+    flops_teacher = 0.0
+    if teacher:
+        t = _model("teacher", teacher, "lm", Sharding(cfg.engine.zero_stage, ranks, False, d), frozen=True)
+        models.append(t)
+        # its forward's working set comes and goes before the student's; its fp32 logits stay for the KL
+        train.items.append(("teacher", "logits", batch_rows * s * t.shape.vocab * 4))
+        flops_teacher = _forward_flops(t, batch_rows * s, s)
+    accum = cfg.optim.gradient_accumulation_steps
+    tokens = batch_rows * s * accum
+    flops = _train_flops(m, tokens, s, gc) + flops_teacher * accum
+    seconds = flops / (dev.flops * TRAIN_MFU)
+    steps = _steps(cfg, rows, 1 if role == "model" else 2, b * accum * ranks)
+    notes = [f"{TRAIN_MFU:.0%} MFU", f"every row padded to --max-seq-len {s}", f"{dev.flops / 1e12:.0f} TFLOP/s peak"]
+    tp = Throughput(flops, seconds, steps, {"train": seconds}, tokens, notes)
+    settings = {"dtype": dname, "micro_batch": b, "seq_len": s, "gradient_checkpointing": gc,
+                "zero_stage": z.stage, "offload": z.offload, "lora_dim": lo.lora_dim, "ranks": ranks}
+    return models, [train], tp, settings
+
+
+def _stage1(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> Any:
+    return _one_model(cfg, ranks, dev, rows, whole, role="model", head="lm", pair=False)
+
+
+def _stage2(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> Any:
+    return _one_model(cfg, ranks, dev, rows, whole, role="reward model", head="value", pair=True)
+
+
+def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> Any:
+    from dschat.rlhf.scoring import RM
+
+    d, dname = _dtype_bytes(cfg.model.dtype, dev)
+    needs = cfg.algorithm.needs(cfg)
+    eng = cfg.engines
+    actor_z = cfg.actor_engine.zero_stage
+    critic_z = cfg.critic_engine.zero_stage
+    if not cfg.actor.model:
+        raise UserError("stage 3 needs --actor-model (a step-1 output)")
+    al, cl = cfg.lora_of("actor"), cfg.lora_of("critic")
+    actor = _model("actor", cfg.actor.model, "lm", Sharding(actor_z, ranks, eng.offload, d), lora_dim=al.lora_dim,
+                   lora_modules=al.lora_module_name, only_lora=al.only_optimize_lora, whole_buckets=whole)
+    models = [actor]
+    uses_rm = RM in cfg.reward_func_names()
+    critic = None
+    if "critic" in needs:
+        name = cfg.critic.model or cfg.rewards.reward_model
+        if not name:
+            raise UserError("PPO's critic starts from --critic-model or --reward-model; give one")
+        critic = _model("critic", name, "value", Sharding(critic_z, ranks, eng.offload, d), lora_dim=cl.lora_dim,
+                        lora_modules=cl.lora_module_name, only_lora=cl.only_optimize_lora, whole_buckets=whole)
+        models.append(critic)
+    ref = None
+    if "reference" in needs:
+        rz = eng.reference_zero_stage if eng.reference_zero_stage is not None else actor_z
+        ref = _model("reference", cfg.actor.model, "lm", Sharding(rz, ranks, eng.offload_reference_model, d),
+                     frozen=True)
+        models.append(ref)
+    reward = None
+    if uses_rm:
+        if not cfg.rewards.reward_model:
+            raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
+        wz = eng.reward_zero_stage if eng.reward_zero_stage is not None else critic_z
+        reward = _model("reward", cfg.rewards.reward_model, "value", Sharding(wz, ranks, eng.offload_reward_model, d),
+                        frozen=True)
+        models.append(reward)
+
+    if eng.enable_ema:  # an fp32 average of each rank's share of the actor's weights (dschat.rlhf.ema)
+        share = math.ceil(4 * actor.params / ranks)
+        models.append(ModelPlan("actor EMA", cfg.actor.model, actor.shape, "lm", actor.params, 0,
+                                Sharding(actor_z, ranks, False, 4), ModelStates(share, 0, 0, 0, 0), actor.source))
+
+    rl, o = cfg.rl, cfg.optim
+    algo = rl.algo
+    per_prompt = cfg.grpo.num_generations if "grpo" in cfg.algorithm.uses else (2 if algo == "online_dpo" else 1)
+    gen_rows = rl.per_device_generation_batch_size * per_prompt
+    prompt, answer = cfg.data.max_prompt_seq_len, rl.max_answer_seq_len
+    seq = prompt + answer
+    b = o.per_device_train_batch_size
+    phases: list[Phase] = []
+    generates = algo != "dpo"
+    if generates:
+        gen = Phase("generate")
+        if actor.sharding.stage == 3 or actor.sharding.offload:
+            gen.items.append(("actor", "weights gathered whole", actor.params * d - actor.states.weights))
+        kv = kv_cache_bytes(actor.shape, gen_rows, seq, d)
+        gen.items.append(("actor", f"KV cache {gen_rows} x {seq} tokens", kv))
+        gen.items.append(("actor", "prefill", inference_activations(actor.shape, gen_rows, prompt, d,
+                                                                    out_tokens=gen_rows)))
+        phases.append(gen)
+    exp_rows = gen_rows if generates else 2 * rl.per_device_generation_batch_size
+    forwards = [(m.role, inference_activations(m.shape, exp_rows, seq, d, out_tokens=exp_rows * answer, head=m.head))
+                for m in models if m.role in ("reference", "reward", "critic") or (m.role == "actor" and not generates)]
+    if forwards:
+        role, worst = max(forwards, key=lambda x: x[1])
+        phases.append(Phase("experience", [(role, f"forward of {exp_rows} rows", worst)]))
+    train_rows = b if algo != "dpo" else 2 * b
+    agc = cfg.actor.gradient_checkpointing
+    phases.append(Phase("train actor", [("actor", "activations" + (" (checkpointed)" if agc else ""),
+                                         training_activations(actor.shape, train_rows, seq, d, checkpointing=agc,
+                                                              loss_tokens=train_rows * answer)),
+                                        *_bucket(actor, whole)]))
+    cgc = cfg.critic.gradient_checkpointing
+    if critic is not None:
+        phases.append(Phase("train critic", [("critic", "activations" + (" (checkpointed)" if cgc else ""),
+                                              training_activations(critic.shape, train_rows, seq, d,
+                                                                   checkpointing=cgc, head="value")),
+                                             *_bucket(critic, whole)]))
+
+    # time of one update per GPU
+    _, micro = cfg.algorithm.plan(cfg, 1)
+    passes = micro * b / max(1, gen_rows if generates else exp_rows)  # training passes over each experience row
+    parts: dict[str, float] = {}
+    notes = [f"{TRAIN_MFU:.0%} MFU in training", f"{FORWARD_MFU:.0%} in forwards and prefill",
+             f"decoding at {DECODE_BANDWIDTH:.0%} of {dev.bandwidth / 1e12:.2f} TB/s (weights + KV cache read per "
+             f"token)", f"every answer {answer} tokens long"]
+    batches = cfg.ppo.generation_batches if algo == "ppo" else 1
+    if generates:
+        prefill = _forward_flops(actor, gen_rows * prompt, prompt) / (dev.flops * FORWARD_MFU)
+        kv_mean = kv_cache_bytes(actor.shape, gen_rows, prompt + answer // 2, d)
+        step_bytes = actor.params * d + kv_mean
+        step_flops = _forward_flops(actor, gen_rows, prompt + answer // 2)
+        decode = answer * max(step_bytes / (dev.bandwidth * DECODE_BANDWIDTH), step_flops / (dev.flops * FORWARD_MFU))
+        parts["generate"] = batches * (prefill + decode)
+    fwd = sum(_forward_flops(m, exp_rows * seq, seq) for m in models if m.role != "actor" or generates)
+    parts["experience"] = batches * fwd / (dev.flops * FORWARD_MFU)
+    rows_trained = batches * exp_rows * passes
+    train = _train_flops(actor, int(rows_trained * seq), seq, agc)
+    if critic is not None:
+        train += _train_flops(critic, int(rows_trained * seq), seq, cgc)
+    parts["train"] = train / (dev.flops * TRAIN_MFU)
+    seconds = sum(parts.values())
+    flops = train + fwd * batches
+    prompts_per_update = rl.per_device_generation_batch_size * batches * ranks
+    steps = _steps(cfg, rows, 3, prompts_per_update)
+    tp = Throughput(flops, seconds, steps, parts, int(batches * exp_rows * seq), notes)
+    settings = {"dtype": dname, "micro_batch": b, "seq_len": seq, "algo": algo, "generation_rows": gen_rows,
+                "prompt_len": prompt, "answer_len": answer, "actor_zero_stage": actor_z, "critic_zero_stage": critic_z,
+                "offload": eng.offload, "ranks": ranks}
+    return models, phases, tp, settings
+
+
+# ------------------------------------------------------------------------------------------------ suggestion
+KNOBS = {  # what the suggestion may change, per stage: flag names
+    1: {"gc": ("gradient_checkpointing",), "zero": ("zero_stage",), "lora": ("lora_dim",)},
+    2: {"gc": ("gradient_checkpointing",), "zero": ("zero_stage",), "lora": ("lora_dim",)},
+    3: {"gc": ("actor_gradient_checkpointing", "critic_gradient_checkpointing"),
+        "zero": ("actor_zero_stage", "critic_zero_stage"), "lora": ("actor_lora_dim", "critic_lora_dim")},
+}
+
+
+def _suggest(step: int, values: dict[str, Any], num_gpus: int, nodes: int, memory: int, dev: GPU,
+             reserve: int) -> tuple[str | None, dict[str, Any]]:
+    """The cheapest change that fits, trying in order: gradient checkpointing, a smaller micro-batch, a higher
+    ZeRO stage, optimizer offload, LoRA, more GPUs; each alone first, then accumulated in that order."""
+    cls = config_class(step)
+    from dschat.config import build_config, to_flat_dict
+
+    base = {k: v for k, v in to_flat_dict(build_config(cls, values)).items()}
+    knobs = KNOBS[step]
+
+    def fits(change: dict[str, Any], gpus: int = num_gpus, n: int = nodes) -> bool:
+        try:
+            plan = make_plan(step, {**values, **change}, num_gpus=gpus, nodes=n, gpu_memory=memory, gpu=dev.name,
+                             reserve_bytes=reserve, suggest=False)
+        except UserError:
+            return False
+        return plan.fits
+
+    def options(acc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
+        cur = {**base, **acc}
+        out: list[tuple[str, list[dict[str, Any]]]] = []
+        if not all(cur[k] for k in knobs["gc"]):
+            out.append(("gc", [{k: True for k in knobs["gc"]}]))
+        b = int(cur["per_device_train_batch_size"])
+        sizes = []
+        while b > 1:
+            b //= 2
+            sizes.append(b)
+        if sizes:  # the largest micro-batch that fits; keep the global batch with gradient accumulation
+            ratio = int(cur["per_device_train_batch_size"])
+            out.append(("batch", [{"per_device_train_batch_size": s, "gradient_accumulation_steps":
+                                   int(cur["gradient_accumulation_steps"]) * (ratio // s)} for s in sizes]))
+        z = max(int(cur[k]) for k in knobs["zero"])
+        if z < 3:
+            out.append(("zero", [{k: s for k in knobs["zero"]} for s in range(z + 1, 4)]))
+        if not cur["offload"]:
+            out.append(("offload", [{"offload": True, **({k: max(1, int(cur[k])) for k in knobs["zero"]})}]))
+        if not all(int(cur[k]) for k in knobs["lora"]):
+            out.append(("lora", [{k: SUGGESTED_LORA_DIM for k in knobs["lora"]}]))
+        return out
+
+    # one change alone, in order of cost
+    for _, candidates in options({}):
+        for change in candidates:
+            if fits(change):
+                return _describe(change, base), change
+    # accumulated
+    acc: dict[str, Any] = {}
+    for kind in ("gc", "batch", "zero", "offload", "lora"):
+        step_options = dict(options(acc))
+        if kind in step_options:
+            acc.update(step_options[kind][-1])
+            if fits(acc):
+                return _describe(acc, base), acc
+    # more GPUs: per node up to 8, then nodes
+    for change in ({}, acc):
+        for gpus, n in [(g, nodes) for g in (2, 4, 8) if g > num_gpus] + [(max(num_gpus, MAX_GPUS_PER_NODE), k)
+                                                                           for k in (2, 4, 8, 16, 32, MAX_NODES)
+                                                                           if k > nodes]:
+            if fits(change, gpus, n):
+                flags = {**change, "num_gpus": gpus, "nodes": n}
+                return _describe(flags, base), flags
+    return ("nothing tried fits (gradient checkpointing, micro-batch 1, ZeRO-3, offload, LoRA, up to "
+            f"{MAX_NODES} nodes of {MAX_GPUS_PER_NODE} GPUs); use larger GPUs or a smaller model"), {}
+
+
+def _describe(change: dict[str, Any], base: dict[str, Any]) -> str:
+    parts = []
+    for k, v in change.items():
+        if k in base and base[k] == v:
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {v}")
+    return "add " + " ".join(parts) if parts else "nothing to change"
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _secs(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.2f} s" if s >= 0.01 else f"{s * 1000:.2f} ms"
+
+
+def _grid(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]

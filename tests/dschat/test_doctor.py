@@ -1,0 +1,248 @@
+"""dschat doctor: each planted fault is found as one finding, and the demo's own set-up passes.
+
+The tiny preset's folder is the saved model every test starts from (copied, then damaged or changed); the data
+files are written here. A full disk is simulated by replacing ``shutil.disk_usage`` as the doctor sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dschat.cli.doctor import doctor_command
+from dschat.demo import demo_data
+from dschat.models.loading import resolve_model
+from dschat.planning import doctor
+from dschat.planning.doctor import ERROR, OK, WARN, histogram, parse_hostfile, read_safetensors_header, run_doctor
+from dschat.training.lock import acquire, release
+from tests.families import build_family
+from tests.helpers import run_cli
+
+# A ChatML template that drops the reasoning of every assistant turn but the last, as reasoning models' templates
+# do: a conversation rendered whole differs from the same conversation rendered turn by turn.
+STRIPPING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ '<|im_start|>assistant\\n' + m['content'].split('</think>')[-1] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    return Path(resolve_model("tiny"))
+
+
+def model_copy(tiny_dir: Path, dest: Path) -> Path:
+    shutil.copytree(tiny_dir, dest)
+    return dest
+
+
+def findings_of(findings, check: str, severity: str) -> list[str]:
+    return [f.message for f in findings if f.check == check and f.severity == severity]
+
+
+def errors(findings) -> list[str]:
+    return [f"{f.check}: {f.message}" for f in findings if f.severity == ERROR]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def step1(tmp_path: Path, **flags) -> list:
+    return run_doctor(1, {"output_dir": str(tmp_path / "out"), **flags}, default_data=demo_data)
+
+
+# ------------------------------------------------------------------------------------------------ planted faults
+def test_a_chat_template_that_rewrites_earlier_turns_is_an_error(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = build_family("qwen2", tmp_path)  # byte-level BPE with Qwen's ChatML template, which round-trips
+    turns = [{"role": "user", "content": "What is 1 + 1?"},
+             {"role": "assistant", "content": "<think>one and one</think>2"},
+             {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "<think>two and two</think>4"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 40)
+    found = step1(tmp_path, model=str(folder), data=[data], data_split="1,0,0")
+    assert not errors(found), errors(found)
+    assert any("round-trips a multi-turn conversation" in m for m in findings_of(found, "template", OK))
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = STRIPPING_TEMPLATE
+    tok.save_pretrained(folder)
+    found = step1(tmp_path, model=str(folder), data=[data], data_split="1,0,0")
+    bad = findings_of(found, "template", ERROR)
+    assert len(bad) == 1 and "does not round-trip" in bad[0] and "<think>2 plus 3 is 5." in bad[0], found
+    assert any("multi-turn rows train only their last answer" in m for m in findings_of(found, "data", WARN))
+
+
+def test_pad_equal_to_eos_in_a_saved_folder_is_found(tmp_path, tiny_dir):
+    from transformers import AutoTokenizer
+
+    folder = model_copy(tiny_dir, tmp_path / "pad_eos")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(folder)
+    found = step1(tmp_path, model=str(folder))
+    warned = findings_of(found, "tokenizer", WARN)
+    assert len(warned) == 1 and "pad is its EOS" in warned[0] and "never learns to stop" in warned[0]
+    assert "dschat pads with '<unk>'" in warned[0]  # what the stage pads with instead (ensure_distinct_pad)
+
+
+def test_thirty_percent_of_prompts_over_the_prompt_limit_warns(tmp_path):
+    short = [{"prompt": f"\n\nHuman: where is order {i}?\n\nAssistant:"} for i in range(70)]
+    long = [{"prompt": "\n\nHuman: " + "please check my parcel again " * 12 + f"{i}\n\nAssistant:"}
+            for i in range(30)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", short + long)
+    found = run_doctor(3, {"actor_model": "tiny", "reward_model": "tiny", "data": [data], "data_split": "0,0,1",
+                           "max_prompt_seq_len": 32, "output_dir": str(tmp_path / "out")})
+    warned = [m for m in findings_of(found, "data", WARN) if "--max-prompt-seq-len" in m]
+    assert len(warned) == 1 and warned[0].startswith("30 of 100 prompts (30%)"), found
+    assert not errors(found), errors(found)
+
+
+def test_rows_all_too_long_leave_no_data_an_error(tmp_path):
+    found = step1(tmp_path, max_seq_len=8)
+    bad = findings_of(found, "data", ERROR)
+    assert len(bad) == 1 and "no usable rows" in bad[0] and "dropped_too_long" in bad[0]
+
+
+def test_a_malformed_row_names_its_file_and_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n',
+                    encoding="utf-8")
+    bad = findings_of(step1(tmp_path, data=[str(data)]), "data", ERROR)
+    assert len(bad) == 1 and bad[0].startswith(f"{data}:2: malformed JSON (Expecting value")
+
+    # one row without its 'rejected' among good ones: the stage drops it and goes on, so a warning naming it
+    good = [{"prompt": f"\n\nHuman: where is order {i}?\n\nAssistant:", "chosen": " It ships today.",
+             "rejected": " No."} for i in range(20)]
+    write_jsonl(data, good + [{"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " Hello."}])
+    found = step1(tmp_path, data=[str(data)], data_split="1,0,0")
+    assert findings_of(found, "data", WARN) == [f"dropped a malformed row: {data}:21: missing field 'rejected' "
+                                                 "(has: chosen, prompt)"]
+    assert not errors(found) and any("dropped: malformed 1" in m for m in findings_of(found, "data", OK))
+
+
+def test_unreachable_hosts_and_a_busy_master_port_are_errors(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\nnohost.invalid slots=1\n192.0.2.1 slots=2  # TEST-NET\n")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        found = run_doctor(1, {"max_seq_len": 1}, hostfile=str(hostfile), master_port=port, connect_timeout=0.5)
+    launcher = [f for f in found if f.check == "launcher"]
+    assert [f.severity for f in launcher if "host " in f.message] == [OK, ERROR, ERROR]
+    assert any("nohost.invalid: does not resolve" in f.message for f in launcher)
+    assert any("192.0.2.1" in f.message and "does not answer on ssh port 22" in f.message for f in launcher)
+    assert any(f"--master-port {port} is in use" in m for m in findings_of(found, "launcher", ERROR))
+    assert findings_of(found, "flags", ERROR) == ["--max-seq-len must be >= 2, got 1"]  # and nothing else ran
+
+
+def test_a_hostfile_line_of_another_shape_names_its_line(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# nodes\nnode1 slots=8\nnode2 8\n")
+    with pytest.raises(Exception, match=r"hostfile:3: expected 'hostname slots=N'"):
+        parse_hostfile(str(hostfile))
+    hostfile.write_text("node1 slots=8\nnode2 slots=4\n")
+    assert parse_hostfile(str(hostfile)) == [("node1", 8), ("node2", 4)]
+
+
+def test_a_full_disk_is_an_error(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 4096, 4096))
+    bad = findings_of(step1(tmp_path), "output", ERROR)
+    assert len(bad) == 1 and "4.0 KiB free on its disk" in bad[0] and "checkpoints need about" in bad[0]
+
+
+def test_a_truncated_safetensors_file_and_a_missing_shard_are_errors(tmp_path, tiny_dir):
+    folder = model_copy(tiny_dir, tmp_path / "truncated")
+    weights = folder / "model.safetensors"
+    header, size = read_safetensors_header(weights)
+    assert size == weights.stat().st_size and "__metadata__" in header
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1000)
+    bad = findings_of(step1(tmp_path, model=str(folder)), "model", ERROR)
+    assert bad == [f"--model {weights}: truncated: {size - 1000} bytes, the header describes {size}; copy or "
+                   "download it again"]
+
+    sharded = model_copy(tiny_dir, tmp_path / "sharded")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    bad = findings_of(step1(tmp_path, model=str(sharded)), "model", ERROR)
+    assert len(bad) == 1 and "lists 2 shards, 1 missing (model-00002-of-00002.safetensors)" in bad[0]
+
+
+def test_remote_code_without_trust_is_an_error(tmp_path, tiny_dir):
+    folder = model_copy(tiny_dir, tmp_path / "remote")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "modeling.Model"}}))
+    bad = findings_of(step1(tmp_path, model=str(folder)), "model", ERROR)
+    assert len(bad) == 1 and "pass --trust-remote-code" in bad[0]
+    found = step1(tmp_path, model=str(folder), trust_remote_code=True)
+    assert any("runs Python code shipped with the model" in m for m in findings_of(found, "model", WARN))
+
+
+def test_a_live_lock_and_an_earlier_run_are_errors(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    acquire(out)
+    try:
+        bad = findings_of(step1(tmp_path), "output", ERROR)
+    finally:
+        release(out)
+    assert len(bad) == 1 and "is in use by another run (pid" in bad[0]
+    (out / "eval.json").write_text("{}")
+    bad = findings_of(step1(tmp_path), "output", ERROR)
+    assert len(bad) == 1 and "already holds a finished run" in bad[0]
+    assert not findings_of(step1(tmp_path, force=True), "output", ERROR)
+
+
+def test_a_refused_flag_is_one_error_finding(tmp_path):
+    found = step1(tmp_path, lora_alpha=8.0)
+    assert [(f.check, f.severity, f.message) for f in found if f.severity == ERROR] == [
+        ("flags", ERROR, "--lora-alpha has no effect without --lora-dim > 0 (no LoRA)")]
+
+
+def test_histogram_counts_power_of_two_bins():
+    # 3 -> bin 4, 5 and 8 -> bin 8, 9 -> bin 16; median of [3, 5, 8, 9] is index 2 = 8
+    assert histogram([9, 3, 8, 5]) == "n=4 median 8 p95 9 max 9 [▄█▄] <=4:1 <=8:2 <=16:1"
+
+
+# ------------------------------------------------------------------------------------------------ the demo passes
+@pytest.mark.parametrize("step", [1, 2])
+def test_the_demo_set_up_passes(step, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output folder, output/<stage>, lands here
+    result = CliRunner().invoke(doctor_command, ["--step", str(step)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1].endswith(", 0 error(s)")
+    assert f"phase {step}:" in result.output and "\nok    model     --model " in result.output
+
+
+def test_the_demo_set_up_passes_for_stage_3(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    actor = model_copy(tiny_dir, tmp_path / "output" / "step1_sft" / "model")  # stand-ins for the stage outputs
+    reward = model_copy(tiny_dir, tmp_path / "output" / "step2_reward" / "model")
+    result = CliRunner().invoke(doctor_command, ["--step", "3", "--actor-model", str(actor), "--reward-model",
+                                                 str(reward), "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output)
+    assert not [f for f in found if f["severity"] == ERROR]
+    assert {f["check"] for f in found} >= {"flags", "model", "tokenizer", "data", "output", "launcher", "plan"}
+
+
+@pytest.mark.slow
+def test_the_command_exits_1_with_one_line_per_finding():
+    done = run_cli("doctor", "--step", "1", "--max-seq-len", "abc", timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.splitlines()[0].startswith("error flags     Invalid value for '--max-seq-len'")

@@ -1,0 +1,236 @@
+"""``dschat plan``: parameter counts from config shapes, hand-worked memory figures, ZeRO partitioning, parity with
+DeepSpeed's own model-state estimators, the verdict and its suggestion, the command's exit codes and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dschat.planning import make_plan, model_shape
+from dschat.planning.memory import (
+    Sharding,
+    gradient_bucket_bytes,
+    kv_cache_bytes,
+    layer_elements,
+    lora_params,
+    model_states,
+    training_activations,
+)
+from dschat.planning.shapes import ModelShape, alias_repos
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _empty_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the built-in table, not whatever this machine's HF cache holds
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+# A small Llama-style shape for hand arithmetic: h 64, 2 layers, 4 heads of 16 (2 KV heads), MLP 128, vocab 100.
+SMALL = ModelShape("small", "llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                   vocab=100, tied=False)
+
+
+def test_parameter_counts_of_known_models_match_their_published_figures() -> None:
+    assert model_shape("llama-2-7b").params() == 6_738_415_616  # "6.74B" (Llama-2 paper, HF model card)
+    assert model_shape("opt-1.3b").params() == 1_315_758_080  # OPT-1.3B as transformers counts it
+    assert model_shape("qwen2.5-0.5b").params() == 494_032_768  # "0.49B" (Qwen2.5 model card)
+    assert model_shape("llama-2-13b").params() == 13_015_864_320
+    assert model_shape("gpt2").params() == 124_439_808
+    assert model_shape("opt-350m").params() == 331_196_416  # with its 512-wide embeddings and projections
+    assert model_shape("mistral-7b").params() == 7_241_732_096  # grouped-query attention, 8 KV heads
+    assert model_shape("gemma-2-2b").params() == 2_614_341_888  # head_dim 256, four norms per layer, tied
+    # the reward model: the backbone and a hidden -> 1 head instead of the LM head
+    s = model_shape("llama-2-7b")
+    assert s.params("value") == s.params() - 32000 * 4096 + 4096
+
+
+def test_every_alias_plans_offline_and_the_alias_table_is_the_loader_s() -> None:
+    from dschat.models.loading import FAMILY_ALIASES
+
+    assert alias_repos() == {k: v[0] for k, v in FAMILY_ALIASES.items()}
+    for alias in FAMILY_ALIASES:
+        assert model_shape(alias).params() > 100e6, alias
+    assert model_shape("tiny").params() == 1_419_904  # the preset's "about 1.4M"
+
+
+def test_small_shape_parameters_by_hand() -> None:
+    # per layer: attention 64*64 (q) + 2*64*32 (k, v) + 64*64 (o) = 12288; MLP 3*64*128 = 24576; 2 norms 128
+    assert SMALL.layer_params() == 12288 + 24576 + 128
+    # embeddings 100*64 + final norm 64 + 2 layers + untied head 100*64
+    assert SMALL.params() == 6400 + 64 + 2 * 36992 + 6400 == 86848
+
+
+def test_hand_worked_model_states_activations_and_kv_cache() -> None:
+    p = SMALL.params()  # 86848
+    s0 = model_states(p, p, 6400, Sharding(stage=0, ranks=1, dtype_bytes=2))
+    # bf16 weights 2P = 173696, gradients 2P = 173696, Adam 16P = 1389568
+    assert (s0.weights, s0.gradients, s0.optimizer) == (173696, 173696, 1389568)
+    s2 = model_states(p, p, 6400, Sharding(stage=2, ranks=4, dtype_bytes=2))
+    # ZeRO-2 over 4: weights whole, gradients 173696/4 = 43424, optimizer 1389568/4 = 347392
+    assert (s2.weights, s2.gradients, s2.optimizer, s2.gathered) == (173696, 43424, 347392, 0)
+    # per layer and token: 4h + 2q + 2k + 4I = 256 + 128 + 64 + 512 = 960 elements
+    assert layer_elements(SMALL) == 960
+    # 2 rows x 8 tokens in bf16: one layer 16*960*2 = 30720 bytes; 2 layers kept + 1 working = 92160;
+    # embedding and final norm 2*16*64*2 = 4096; logits 16*100*(2 + 4 + 4) = 16000
+    assert training_activations(SMALL, 2, 8, 2, checkpointing=False) == 92160 + 4096 + 16000
+    # checkpointed: the layers' inputs 2*16*64*2 = 4096 + 2 layers' worth (recompute + gradients) 61440
+    assert training_activations(SMALL, 2, 8, 2, checkpointing=True) == 4096 + 61440 + 4096 + 16000
+    # KV cache: 2 layers x 2 x 2 KV heads x 16 x 2 bytes = 256 bytes per token; 3 rows x 10 tokens
+    assert kv_cache_bytes(SMALL, 3, 10, 2) == 7680
+    # LoRA r=4 on all 7 projections: r x (in + out) each, (64+64) + 2*(64+32) + (64+64) + 2*(64+128) + (128+64)
+    # = 1024 per layer
+    assert lora_params(SMALL, 4) == 2 * 4 * 1024
+    assert lora_params(SMALL, 4, "q_proj,v_proj") == 2 * 4 * (128 + 96)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_zero_partitions_what_each_stage_partitions(n: int) -> None:
+    p, t, largest = 10**9, 10**9, 10**7
+    z = {k: model_states(p, t, largest, Sharding(stage=k, ranks=n, dtype_bytes=2)) for k in range(4)}
+    assert z[1].weights == z[2].weights == 2 * p and z[3].weights == -(-2 * p // n)
+    assert z[1].gradients == 2 * t and z[2].gradients == z[3].gradients == -(-2 * t // n)
+    assert z[0].optimizer == 16 * t and z[1].optimizer == z[2].optimizer == -(-16 * t // n)
+    assert z[3].gathered == 4 * largest and z[2].gathered == 0
+    off = model_states(p, t, largest, Sharding(stage=3, ranks=n, offload=True, dtype_bytes=2))
+    assert (off.weights, off.gradients, off.optimizer) == (0, 0, 0) and off.total == 4 * largest
+    assert off.cpu == -(-2 * p // n) + -(-2 * t // n) + -(-14 * t // n)
+    # DeepSpeed's gradient bucket (5e8 elements) on top: ZeRO-2/3 keep only a partition of the gradients it held;
+    # a GPU allocates all of it, CPU pages only the written part (1e8 bf16 gradients = 2e8 bytes)
+    z2 = Sharding(stage=2, ranks=n, dtype_bytes=2)
+    assert gradient_bucket_bytes(10**8, z2) == 10**9 and gradient_bucket_bytes(10**8, z2, whole=False) == 2 * 10**8
+    # under ZeRO-1 it holds the gradients already counted: only the rest of the bucket is extra
+    z1 = Sharding(stage=1, ranks=n, dtype_bytes=2)
+    assert gradient_bucket_bytes(10**8, z1) == 8 * 10**8 and gradient_bucket_bytes(10**8, z1, whole=False) == 0
+    assert gradient_bucket_bytes(10**8, Sharding(stage=0)) == 0
+    # LoRA: gradients and optimizer states only for the adapters
+    lora = model_states(p, 10**6, largest, Sharding(stage=0, dtype_bytes=2))
+    assert (lora.weights, lora.gradients, lora.optimizer) == (2 * p, 2 * 10**6, 16 * 10**6)
+
+
+def test_model_states_match_deepspeed_estimators_to_one_percent() -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    for alias in ("opt-1.3b", "llama-2-7b", "chinese-llama-2-13b", "qwen2.5-0.5b"):
+        s = model_shape(alias)
+        p, largest = s.params(), s.largest_module_params()
+        for gpus, nodes in ((1, 1), (8, 1), (8, 4)):
+            n = gpus * nodes
+            for offload in (False, True):
+                _, ds = estimate_zero2_model_states_mem_needs(p, gpus, nodes, cpu_offload=offload)
+                ours = model_states(p, p, largest, Sharding(stage=2, ranks=n, offload=offload)).total
+                assert abs(ours - ds) <= 0.01 * ds, (alias, n, offload, ours, ds)
+                for params_off in (False, True):
+                    _, ds3, _ = estimate_zero3_model_states_mem_needs(p, largest, gpus, nodes, cpu_offload=offload,
+                                                                      cpu_offload_params=params_off and offload)
+                    z = Sharding(stage=3, ranks=n, offload=offload, offload_params=params_off)
+                    ours3 = model_states(p, p, largest, z).total
+                    assert abs(ours3 - ds3) <= 0.01 * ds3, (alias, n, offload, params_off, ours3, ds3)
+
+
+def test_a_run_that_fits_has_no_suggestion() -> None:
+    plan = make_plan(1, {"model": "tiny"}, gpu="A100-80GB")
+    assert plan.fits and plan.suggestion is None and plan.peak_bytes < 2 * 1024**3
+    assert plan.checkpoint_bytes == 2 * plan.models[0].params  # the saved bf16 model
+
+
+def test_a_run_that_does_not_fit_gets_the_cheapest_change_that_does() -> None:
+    values = {"model": "llama-2-7b", "zero_stage": 3, "per_device_train_batch_size": 16, "max_seq_len": 1024}
+    plan = make_plan(1, values, num_gpus=8, gpu="A100-40GB")
+    assert not plan.fits
+    # gradient checkpointing is tried first, and alone it is enough here
+    assert plan.suggestion == "add --gradient-checkpointing"
+    assert make_plan(1, {**values, **plan.suggested_flags}, num_gpus=8, gpu="A100-40GB").fits
+    # a full 7B fine-tune without ZeRO on one 40 GB GPU: the suggestion's flags make it fit
+    values = {"model": "llama-2-7b", "per_device_train_batch_size": 4, "max_seq_len": 512}
+    plan = make_plan(1, values, gpu="A100-40GB")
+    assert not plan.fits and plan.suggestion
+    flags = dict(plan.suggested_flags)
+    gpus, nodes = flags.pop("num_gpus", 1), flags.pop("nodes", 1)
+    assert make_plan(1, {**values, **flags}, num_gpus=gpus, nodes=nodes, gpu="A100-40GB").fits
+
+
+def test_training_flops_per_token_are_six_n_plus_attention() -> None:
+    plan = make_plan(1, {"model": "llama-2-7b", "max_seq_len": 512, "per_device_train_batch_size": 1})
+    p = plan.models[0].params
+    # 6N, and attention 2 L s q forward (average causal context s/2), three times for forward + backward
+    assert plan.throughput.flops_per_step == 512 * (6 * p + 6 * 32 * 512 * 4096)
+    gc = make_plan(1, {"model": "llama-2-7b", "max_seq_len": 512, "per_device_train_batch_size": 1,
+                       "gradient_checkpointing": True})
+    assert gc.throughput.flops_per_step == 512 * (8 * p + 8 * 32 * 512 * 4096)
+
+
+def test_stage3_plans_four_models_and_gathers_the_actor_to_generate() -> None:
+    values = {"actor_model": "opt-1.3b", "reward_model": "opt-350m", "actor_zero_stage": 3,
+              "per_device_generation_batch_size": 4, "max_answer_seq_len": 64, "max_prompt_seq_len": 64}
+    plan = make_plan(3, values, num_gpus=8)
+    assert [m.role for m in plan.models] == ["actor", "critic", "reference", "reward"]
+    gen = {w: b for _, w, b in plan.phases[0].items}
+    actor = plan.models[0]
+    assert gen["weights gathered whole"] + actor.states.weights == 2 * actor.params
+    assert gen["KV cache 4 x 128 tokens"] == 24 * 2 * 2048 * 2 * 4 * 128
+    assert {p.name for p in plan.phases} == {"generate", "experience", "train actor", "train critic"}
+    assert plan.checkpoint_bytes == 2 * (plan.models[0].params + plan.models[1].params)
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    from dschat.cli.plan import plan_command
+
+    result = CliRunner().invoke(plan_command, args)
+    return result.exit_code, result.output
+
+
+def test_cli_exit_code_is_0_when_it_fits_and_3_when_it_does_not() -> None:
+    code, out = _cli(["--step", "1", "--model", "tiny"])
+    assert code == 0 and "verdict: fits" in out
+    code, out = _cli(["--step", "1", "--model", "llama-2-13b", "--gpu-memory", "24GiB"])
+    assert code == 3 and "does NOT fit" in out and "suggestion: add" in out
+    code, out = _cli(["--step", "1", "--model", "tiny", "--no-such-flag", "1"])
+    assert code != 0 and "no-such-flag" in out
+
+
+def test_cli_json_shape(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("model: opt-1.3b\nzero_stage: 2\noptim:\n  per_device_train_batch_size: 4\n")
+    code, out = _cli(["--step", "2", "--config", str(config), "--num-gpus", "8", "--gpu", "A100-40GB", "--json",
+                      "--rows", "10000", "--max-seq-len", "512"])
+    data = json.loads(out)
+    assert code == 0 and data["fits"] is True and isinstance(data["peak_bytes"], int)
+    assert {"models", "phases", "suggestion", "throughput", "checkpoint_bytes"} <= set(data)
+    assert data["models"][0]["role"] == "reward model" and data["models"][0]["zero_stage"] == 2
+    assert data["settings"]["micro_batch"] == 4 and data["settings"]["seq_len"] == 512
+    # 10000 rows, 4/10 of them for phase 2, 4 pairs x 8 GPUs per step: 125 steps
+    assert data["throughput"]["steps"] == 125 and data["throughput"]["total_seconds"] > 0
+
+
+def _run(code: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    return out, time.perf_counter() - start
+
+
+def test_train_plan_stops_before_loading_anything() -> None:
+    out, _ = _run("import sys\nfrom dschat.cli.options import run_command\nfrom dschat.cli.main import main\n"
+                  "run_command(main, ['train', '--step', '1', '--model', 'tiny', '--plan'])\n"
+                  "print('loaded:', sorted(m for m in ('torch', 'transformers', 'deepspeed', 'step1_sft.main') "
+                  "if m in sys.modules))")
+    assert out.returncode == 0, out.stderr
+    assert "verdict: fits" in out.stdout and "loaded: []" in out.stdout
+
+
+def test_plan_of_an_alias_takes_under_3_seconds_offline() -> None:
+    out, seconds = _run("from dschat.cli.options import run_command\nfrom dschat.cli.main import main\n"
+                        "run_command(main, ['plan', '--step', '1', '--model', 'llama-2-7b', '--num-gpus', '8', "
+                        "'--zero-stage', '2'])")
+    assert out.returncode == 0, out.stderr
+    assert "llama-2-7b" in out.stdout and seconds < 3.0
