@@ -549,3 +549,21 @@ class VLLMArgs:
 
 
 VLLM_FLAGS = tuple(f.name for f in dataclasses.fields(VLLMArgs))
+
+
+@dataclass
+class ServeArgs:
+    """``dschat serve``: the reward/judge server's address, batching and limits (docs/serving.md)."""
+
+    host: str = arg("127.0.0.1", "Address to listen on (0.0.0.0: every interface; then set --token-file).")
+    port: int = arg(8000, "Port to listen on.", low=1, high=65535)
+    max_batch_tokens: int = arg(16384, "Padded tokens per reward-model forward: concurrent requests are packed "
+                                       "into one forward up to this budget.", low=1)
+    max_queue: int = arg(64, "Requests waiting for the model at most; more are answered 429.", low=1)
+    max_request_rows: int = arg(1024, "Completions per request at most (more: 413).", low=1)
+    max_body_bytes: int = arg(8_000_000, "Request body size in bytes at most (more: 413).", low=1)
+    max_seq_len: int = arg(512, "Longest prompt + answer the reward model reads, in its tokens; a longer text loses "
+                                "the start of its prompt, as in stage 3 (the stage's --max-prompt-seq-len + "
+                                "--max-answer-seq-len); token ids sent longer than this are refused (422).", low=2)
+    token_file: str = arg("", "File holding a bearer token that every request but GET /health must carry "
+                              "(Authorization: Bearer ...; 401 otherwise). Never logged.")

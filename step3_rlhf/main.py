@@ -30,6 +30,7 @@ from dschat.evaluation.policy import eval_scalars, source_summary, summarize
 from dschat.generation.decode import GenerationConfig
 from dschat.generation.hybrid_engine import make_hybrid_engine
 from dschat.models.loading import load_tokenizer, resolve_model
+from dschat.rewards.remote import RewardServerDown, is_remote
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.engines import build_models
@@ -111,8 +112,15 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved; the health
     # monitor watches each step's metrics and each evaluation and acts after the step (--on-alarm)
     try:
-        for step in loop.updates(total_updates, fields, tensors_now):
-            metrics, dropped = algo.step(stream)
+        remote = any(is_remote(name) for name in cfg.reward_func_names())
+        for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote):
+            try:
+                metrics, dropped = algo.step(stream)
+            except RewardServerDown as e:  # scoring comes before the update: keep the last completed step
+                saved = loop.save_last_step()
+                where = f"the state of step {loop.step} is {saved}; continue with --resume once the server " \
+                        "answers" if saved else "no state could be saved"
+                raise RewardServerDown(f"{e}; {where}") from None
             dropped_total += dropped
             metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
                             **hybrid.sync_metrics()})

@@ -69,8 +69,9 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
     "--step 3": frozenset({"step", "data", "data_split", "data_cache_dir", "max_prompt_seq_len", "eval_fraction",
                            "max_eval_rows", "seed", "progress", "baseline", "num_samples", "reward_model",
                            "reward_funcs", "reward_weights", "judge_model", "judge_max_new_tokens",
-                           "judge_system_prompt", "overlong_buffer", "overlong_factor", "max_new_tokens",
-                           "temperature", "top_p", "top_k", "generation_backend", *VLLM_FLAGS}),
+                           "judge_system_prompt", "overlong_buffer", "overlong_factor", "reward_timeout",
+                           "reward_retries", "reward_backoff", "reward_request_rows", "reward_token_file",
+                           "max_new_tokens", "temperature", "top_p", "top_k", "generation_backend", *VLLM_FLAGS}),
     "--judge": frozenset({"judge", "data", "votes", "max_new_tokens", "temperature", "top_p", "seed",
                           "judge_system_prompt", "progress", "generation_backend"}),
 }
@@ -94,7 +95,8 @@ def refuse(given: dict[str, str], mode: str) -> None:
 def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     """--step 3's settings that do nothing with the chosen reward sources and models."""
     from dschat.evaluation.saved_policy import reward_sources  # torch: imported when the command runs
-    from dschat.rlhf.config import vllm_inert
+    from dschat.rewards.remote import is_remote
+    from dschat.rlhf.config import REMOTE_FLAGS, vllm_inert
 
     names, r = reward_sources(cfg.rewards), cfg.rewards
     inert = {}
@@ -104,6 +106,8 @@ def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
         inert["judge_model"] = "without --baseline (the judge's win rate) or --reward-funcs judge"
     if "overlong" not in names:
         inert.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
+    if not any(is_remote(n) for n in names):
+        inert.update({n: "without a remote reward source (--reward-funcs http://...)" for n in REMOTE_FLAGS})
     if r.reward_model and "rm" not in names:
         inert["reward_model"] = "without the reward source 'rm' in --reward-funcs"
     if not names:

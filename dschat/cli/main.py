@@ -22,12 +22,15 @@ COMMANDS = {
     "train": "dschat.cli.train:train",
     "chat": "dschat.cli.chat:chat_command",
     "data": "dschat.cli.data:data",
+    "doctor": "dschat.cli.doctor:doctor_command",
     "eval": "dschat.cli.eval:eval_command",
     "export": "dschat.cli.export:export",
     "generate": "dschat.cli.generate:generate_command",
     "judge": "dschat.cli.judge:judge_command",
     "pipeline": "dschat.cli.pipeline:pipeline",
+    "plan": "dschat.cli.plan:plan_command",
     "report": "dschat.cli.report:report_command",
+    "serve": "dschat.cli.serve:serve_command",
 }
 
 

@@ -14,7 +14,8 @@ appears once per completion it received. ``row_fields`` are lists aligned with `
   ``winner`` of a judge row), ``None`` where the row has none;
 - every other field of the dataset row, by its own name (``winner``, ``context_messages``, ...), ``None`` where
   a row lacks it;
-- ``completion_lengths``: completion lengths in tokens (EOS included).
+- ``completion_lengths``: completion lengths in tokens (EOS included);
+- ``reached_eos``: whether each completion ended with EOS (rather than at the length cap).
 
 Functions take ``**row_fields`` so that they ignore the fields they do not use. They are pure: no model, no
 config, no rank. ``rm`` (the reward model's end score) needs a model, so stage 3 computes it and hands the
@@ -38,6 +39,7 @@ from dschat.errors import UserError
 from dschat.losses import overlong_penalty
 from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 from dschat.rewards.judge import LETTER_OF, parse_verdict
+from dschat.rewards.remote import RemoteReward, is_remote
 
 RewardFunc = Callable[..., list[float]]
 
@@ -212,9 +214,12 @@ def get_reward_func(name: str, max_completion_length: int = 256, overlong_buffer
         return overlong_reward(max_completion_length, buffer, overlong_factor)
     if is_user_function(name):
         return load_user_function(name)
+    if is_remote(name):  # default client settings; stage 3 passes its own (dschat.rlhf.scoring.build_scorer)
+        return RemoteReward(name)
     if name == "judge":  # a model, not a rule: dschat.rewards.judge.load_judge_reward builds it from --judge-model
         raise UserError("reward function 'judge' needs a trained judge: pass --judge-model (stage 3)")
-    raise UserError(f"unknown reward function {name!r}; use one of {', '.join(NAMES)} or path/to/file.py:function")
+    raise UserError(f"unknown reward function {name!r}; use one of {', '.join(NAMES)}, path/to/file.py:function "
+                    "or a reward server's http://host:port/score")
 
 
 # --------------------------------------------------------------------------------------------------- mixer

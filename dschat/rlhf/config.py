@@ -31,6 +31,7 @@ from dschat.generation.backends import BACKENDS, resolve_backend
 from dschat.generation.decode import LEAN_MODEL_TYPES
 from dschat.generation.vllm_engine import require_vllm
 from dschat.models.loading import local_model_type
+from dschat.rewards.remote import is_remote
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.dpo import DPOArgs
 from dschat.rlhf.grpo import GRPOArgs
@@ -40,6 +41,7 @@ from dschat.rlhf.scoring import JUDGE, RM
 
 PER_MODEL_OPTIM = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2")
 PER_MODEL = ("model", "gradient_checkpointing", "dropout")
+REMOTE_FLAGS = ("reward_timeout", "reward_retries", "reward_backoff", "reward_request_rows", "reward_token_file")
 
 
 @dataclass
@@ -100,6 +102,19 @@ class RewardArgs:
                                             "buffer to -overlong_factor at max_answer_seq_len (default: a quarter "
                                             "of --max-answer-seq-len).", low=1)
     overlong_factor: float = arg(1.0, "Reward 'overlong': the penalty at max_answer_seq_len.")
+    reward_timeout: float = arg(60.0, "Remote reward source (--reward-funcs http://host:port/score): seconds to "
+                                      "wait for one request.", above=0)
+    reward_retries: int = arg(4, "Remote reward source: retries of a request after a connection error, a timeout, "
+                                 "HTTP 429 or 5xx (never another 4xx), with exponential backoff; then the source "
+                                 "is down and stage 3 stops with the state of its last completed step (exit 4).",
+                              low=0)
+    reward_backoff: float = arg(1.0, "Remote reward source: seconds before the first retry, doubled each time.",
+                                low=0)
+    reward_request_rows: int = arg(0, "Remote reward source: completions per request (0: one request per scoring "
+                                      "batch).", low=0)
+    reward_token_file: str = arg("", "Remote reward source: file holding the server's bearer token (default: the "
+                                     "environment variable DSCHAT_REWARD_TOKEN). The token is never logged or "
+                                     "saved.")
 
 
 @dataclass
@@ -152,6 +167,8 @@ def reward_settings_inert(names: list[str]) -> dict[str, str]:
         out.update({n: "without the reward source 'judge'" for n in ("judge_model", "judge_max_new_tokens")})
     if "overlong" not in names:
         out.update({n: "without the reward source 'overlong'" for n in ("overlong_buffer", "overlong_factor")})
+    if not any(is_remote(n) for n in names):
+        out.update({n: "without a remote reward source (--reward-funcs http://...)" for n in REMOTE_FLAGS})
     return out
 
 

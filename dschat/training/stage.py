@@ -306,10 +306,11 @@ class ResumableLoop:
                 self.save()
 
     def updates(self, total_steps: int, fields: Callable[[], dict[str, Any]],
-                tensors: Callable[[], dict[str, torch.Tensor]]) -> Iterator[int]:
+                tensors: Callable[[], dict[str, torch.Tensor]], keep_boundary: bool = False) -> Iterator[int]:
         """Stage 3: yields each step number in turn; the caller runs the update in the loop body. A state holds
         ``fields()`` and ``tensors()`` of that moment. The first Ctrl-C stops after the current step, with a state
-        saved (``stop_after_step``)."""
+        saved (``stop_after_step``). ``keep_boundary``: keep a copy of each step's starting fields, tensors and RNG
+        for ``save_last_step`` (a copy per step, so only where a step can fail before its update: remote rewards)."""
 
         def save() -> Path | None:
             return self.save(fields(), tensors())
@@ -318,7 +319,8 @@ class ResumableLoop:
         with stop_after_step(self.stage.log) as stop:
             self._start_state(save)
             while self.step < total_steps:
-                self._boundary = (copy.deepcopy(fields()), tensors(), _rng_state())
+                if keep_boundary:
+                    self._boundary = (copy.deepcopy(fields()), tensors(), _rng_state())
                 yield self.step + 1
                 self.step += 1
                 if stop.requested() and self.step < total_steps and (saved := save()) is not None:
@@ -326,7 +328,6 @@ class ResumableLoop:
                 self._after_step(total_steps, save)
             if self.save_final:
                 save()
-
 
     def save_last_step(self) -> Path | None:
         """Stage 3, from inside a step before its update (a reward source went down while scoring): a state of the

@@ -1,0 +1,94 @@
+"""Shared by the server and remote-reward tests: a tiny saved reward model, a dschat server (uvicorn in a thread
+of the test process) and plain HTTP calls."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_reward_model(out: Path, seed: int = 0) -> Path:
+    """The tiny preset with a seeded one-label head, saved as a stage-2 output would be (mean/std in its config)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from dschat.models.loading import resolve_model
+
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(resolve_model("tiny"), num_labels=1)
+    model.config.reward_mean, model.config.reward_std = 0.25, 1.5
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_model("tiny")).save_pretrained(out)
+    return out
+
+
+def serve_config(**values: Any) -> Any:
+    from dschat.config import build_config
+    from dschat.serving.config import ServeConfig
+
+    return build_config(ServeConfig, values)
+
+
+@contextlib.contextmanager
+def running(app: Any, port: int | None = None, wait_ready: bool = True) -> Iterator[tuple[str, Any]]:
+    """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL and the uvicorn server (``should_exit``
+    stops it gracefully)."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise AssertionError("the server did not start")
+        time.sleep(0.02)
+    while wait_ready and call(base + "/health")[0] != 200:
+        if time.time() > deadline:
+            raise AssertionError("the server never became ready")
+        time.sleep(0.05)
+    try:
+        yield base, server
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def call(url: str, body: Any = None, token: str | None = None, raw: bytes | None = None,
+         timeout: float = 60) -> tuple[int, Any]:
+    """``(status, JSON reply)`` of a GET (no body) or POST."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def rm_app(rm_dir: Path, log: Callable[[str], None] = lambda _: None, **serve: Any) -> Any:
+    """The dschat server of ``rm_dir`` (the real app and loader, as ``dschat serve --reward-model``)."""
+    from dschat.serving.server import create_app, read_server_token
+    from dschat.serving.service import load_service
+
+    cfg = serve_config(reward_model=str(rm_dir), **serve)
+    return create_app(cfg.serve, lambda: load_service(cfg, log), read_server_token(cfg.serve.token_file), log)
