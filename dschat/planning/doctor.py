@@ -37,6 +37,7 @@ from typing import Any
 from dschat.config import build_config, refuse_inert
 from dschat.diskfull import human_bytes
 from dschat.errors import UserError
+from dschat.training.lock import holder_alive
 
 __all__ = ["ERROR", "OK", "WARN", "Finding", "histogram", "inspect_model_folder", "local_versions", "output_folder",
            "parse_hostfile", "read_safetensors_header", "run_doctor"]
@@ -652,7 +653,7 @@ def _check_lock(out: Path, report: Report) -> None:
     except OSError as e:  # no locks on this filesystem: the note is the lock
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
             raise
-        held = info.get("host") != socket.gethostname() or _pid_alive(info.get("pid"))
+        held = info.get("host") != socket.gethostname() or holder_alive(info)
     finally:
         os.close(fd)
     if held:
@@ -660,18 +661,6 @@ def _check_lock(out: Path, report: Report) -> None:
                                     "choose another --output-dir")
     elif info.get("pid"):
         report.add("output", OK, f"{out}: the lock was left by a run that is gone ({describe(info)})")
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------------------------------------------ launcher

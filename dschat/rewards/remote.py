@@ -44,17 +44,22 @@ def is_remote(name: str) -> bool:
     return name.startswith(SCHEMES)
 
 
+def read_token_file(path: str, flag: str) -> str:
+    """The first line of the token file ``path`` (given as ``flag``): a bearer token, never logged."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as fh:
+            token = fh.readline().strip()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    if not token:
+        raise UserError(f"{flag} {path}: the file is empty")
+    return token
+
+
 def read_token(token_file: str = "") -> str | None:
     """The bearer token: the first line of ``token_file``, else ``$DSCHAT_REWARD_TOKEN``, else None."""
     if token_file:
-        try:
-            with open(os.path.expanduser(token_file), encoding="utf-8") as fh:
-                token = fh.readline().strip()
-        except OSError as e:
-            raise UserError(f"--reward-token-file {token_file}: cannot read it ({e.strerror})") from None
-        if not token:
-            raise UserError(f"--reward-token-file {token_file}: the file is empty")
-        return token
+        return read_token_file(token_file, "--reward-token-file")
     return os.environ.get(TOKEN_ENV) or None
 
 

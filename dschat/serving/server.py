@@ -23,6 +23,7 @@ from typing import Any
 
 from dschat.config import ServeArgs
 from dschat.errors import UserError
+from dschat.rewards.remote import read_token_file
 from dschat.serving.batcher import Batcher, QueueFull
 from dschat.serving.service import BadRequest, RewardService, parse_openrlhf_request, parse_score_request
 
@@ -38,19 +39,6 @@ def require_serve_extra() -> None:
     if missing:
         raise UserError(f"dschat serve needs {' and '.join(missing)}: pip install -r requirements-serve.txt "
                         "(or pip install 'dschat[serve]')")
-
-
-def read_server_token(path: str) -> str | None:
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            token = fh.readline().strip()
-    except OSError as e:
-        raise UserError(f"--token-file {path}: cannot read it ({e.strerror})") from None
-    if not token:
-        raise UserError(f"--token-file {path}: the file is empty")
-    return token
 
 
 class State:
@@ -180,7 +168,7 @@ def serve(cfg: Any) -> None:
 
     s, r = cfg.serve, cfg.rewards
     source_names(r.reward_model, r.judge_model, list(r.reward_funcs))  # before anything loads
-    token = read_server_token(s.token_file)
+    token = read_token_file(s.token_file, "--token-file") if s.token_file else None
 
     def log(msg: str) -> None:
         print(f"[dschat serve] {msg}", flush=True)

@@ -43,7 +43,8 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
-def _alive(info: dict[str, Any]) -> bool:
+def holder_alive(info: dict[str, Any]) -> bool:
+    """Whether the process a lock note names (``pid``, ``proc_start``) still runs on this machine."""
     pid = info.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -132,7 +133,7 @@ def _acquire_by_note(folder: Path, key: str, log: Any) -> dict[str, Any]:
         if previous.get("host") != socket.gethostname():
             raise UserError(f"{folder} is in use by another run ({describe(previous)}), as far as this filesystem "
                             f"(no locks) can tell; if that run is gone, delete {path}")
-        if _alive(previous):
+        if holder_alive(previous):
             raise _in_use(folder, previous)
         if log is not None:
             log(f"took over the lock of a run that is gone ({describe(previous)})")

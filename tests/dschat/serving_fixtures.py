@@ -87,8 +87,10 @@ def call(url: str, body: Any = None, token: str | None = None, raw: bytes | None
 
 def rm_app(rm_dir: Path, log: Callable[[str], None] = lambda _: None, **serve: Any) -> Any:
     """The dschat server of ``rm_dir`` (the real app and loader, as ``dschat serve --reward-model``)."""
-    from dschat.serving.server import create_app, read_server_token
+    from dschat.rewards.remote import read_token_file
+    from dschat.serving.server import create_app
     from dschat.serving.service import load_service
 
     cfg = serve_config(reward_model=str(rm_dir), **serve)
-    return create_app(cfg.serve, lambda: load_service(cfg, log), read_server_token(cfg.serve.token_file), log)
+    token = read_token_file(cfg.serve.token_file, "--token-file") if cfg.serve.token_file else None
+    return create_app(cfg.serve, lambda: load_service(cfg, log), token, log)
