@@ -8,11 +8,9 @@ plans offline. ``tiny`` is the preset of ``dschat.models.tiny``.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 from dataclasses import asdict, dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -218,19 +216,11 @@ def shape_from_config(config: dict[str, Any], name: str = "") -> ModelShape:
                       mlp_bias=bool(config.get("mlp_bias", False)), norms_per_layer=4 if kind == "gemma2" else 2)
 
 
-@cache
 def alias_repos() -> dict[str, str]:
-    """``dschat.models.loading.FAMILY_ALIASES`` (alias -> HF id), read from that module's source: importing it
-    would import torch, and a plan must not wait for that."""
-    import dschat.models
+    """Alias -> HF id (``dschat.models.aliases``, a module without torch)."""
+    from dschat.models.aliases import ALIASES
 
-    src = Path(dschat.models.__file__).with_name("loading.py").read_text(encoding="utf-8")
-    for node in ast.parse(src).body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "FAMILY_ALIASES" and node.value is not None:
-            return {k: v[0] for k, v in ast.literal_eval(node.value).items()}
-    raise RuntimeError("dschat.models.loading defines no FAMILY_ALIASES")
+    return dict(ALIASES)
 
 
 def tiny_config() -> dict[str, Any]:
