@@ -80,9 +80,10 @@ def real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
 def reward_scores(reward_model: Any, rollout: Rollout, retokenize: Any | None = None) -> torch.Tensor:
     """End scores ``(B,)`` of prompt + answer under the reward model (its own tokenizer via ``retokenize``), on
     the rollout's device."""
-    ids, mask = retokenize(rollout) if retokenize is not None else (rollout.sequences, rollout.attention_mask)
+    rows = retokenize.rows(rollout) if retokenize is not None else \
+        real_rows(rollout.sequences, rollout.attention_mask)
     pad = getattr(getattr(reward_model, "config", None), "pad_token_id", None)
-    scores = score_rows(reward_model, real_rows(ids, mask), pad if pad is not None else 0, ids.device)
+    scores = score_rows(reward_model, rows, pad if pad is not None else 0, rollout.sequences.device)
     return scores.to(rollout.sequences.device)
 
 
@@ -119,6 +120,12 @@ class Retokenizer:
         self.truncated = 0
 
     def __call__(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The re-encoded rows right-padded: ``(B, T)`` ids and mask on the rollout's device."""
+        ids, mask = pad_sequences(self.rows(rollout), self.dst.pad_token_id, "right")
+        return ids.to(rollout.sequences.device), mask.to(rollout.sequences.device)
+
+    def rows(self, rollout: Rollout) -> list[list[int]]:
+        """Each row's prompt + answer in the reward model's tokens (what ``score_rows`` pads and scores)."""
         P = rollout.prompt_len
         prompts, answers = [], []
         for seq, mask in zip(rollout.sequences, rollout.attention_mask, strict=True):
@@ -127,8 +134,7 @@ class Retokenizer:
         # As on the same-tokenizer path: only an answer that ended gets the EOS the reward model scores at.
         rows, cut = encode_for_reward(prompts, answers, rollout.reached_eos.tolist(), self.dst, self.max_len)
         self.truncated += cut
-        ids, mask = pad_sequences(rows, self.dst.pad_token_id, "right")
-        return ids.to(rollout.sequences.device), mask.to(rollout.sequences.device)
+        return rows
 
 
 def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:
