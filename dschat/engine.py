@@ -336,13 +336,28 @@ def is_zero3_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+def settle_partitions(model: Any) -> None:
+    """Wait for and release every ZeRO-3 parameter the engine ``model`` still has gathered or in flight.
+
+    ZeRO-3 prefetches the parameters a forward is expected to need next, following the order it recorded; after
+    a forward that ended off that order (a packed batch, an evaluation pass) some of those gathers are still in
+    flight, and gathering such a parameter outside a forward (to save, or to generate) cannot partition it again
+    ("Cannot partition a param in flight"). Call on every rank before such a gather; a no-op for a plain module
+    or another ZeRO stage.
+    """
+    if is_zero3_partitioned(unwrap(model)) and hasattr(model, "empty_partition_cache"):
+        model.empty_partition_cache()
+
+
 @contextlib.contextmanager
-def gathered_parameters(module: torch.nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
-    """Materialise every ZeRO-3 partitioned parameter of ``module`` for the block; a no-op otherwise.
+def gathered_parameters(model: Any, modifier_rank: int | None = None) -> Iterator[None]:
+    """Materialise every ZeRO-3 partitioned parameter of ``model`` (an engine or its module) for the block; a
+    no-op otherwise. Given the engine, its prefetches are settled first (``settle_partitions``).
 
     One gather for the whole block: wrap a whole ``generate`` call, never a per-token step.
     """
-    with gathered_params(list(module.parameters()), modifier_rank):
+    settle_partitions(model)
+    with gathered_params(list(unwrap(model).parameters()), modifier_rank):
         yield
 
 
@@ -359,10 +374,12 @@ def gathered_params(params: list[torch.nn.Parameter], modifier_rank: int | None 
 
 
 def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """A complete CPU state dict of the module (gathering ZeRO-3 shards). Call on every rank; use on rank 0."""
+    """A complete CPU state dict of the module (gathering ZeRO-3 shards). Call on every rank; use on rank 0. Pass
+    the engine, not its module, under ZeRO-3 (``settle_partitions``)."""
     module = unwrap(model)
     state: dict[str, torch.Tensor] = {}
     if is_zero3_partitioned(module):
+        settle_partitions(model)
         for name, param in module.named_parameters():
             with gathered_params([param]):
                 if is_main():

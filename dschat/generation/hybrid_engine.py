@@ -91,7 +91,7 @@ class HybridEngine:
                                            self.pad_token_id)
             else:
                 module.eval()
-                with E.gathered_parameters(module):
+                with E.gathered_parameters(self.actor):  # the engine: its prefetches settle first
                     out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
                                                 self.pad_token_id)
         finally:

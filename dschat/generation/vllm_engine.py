@@ -322,6 +322,10 @@ class VLLMBackend:
             self._build(module, batch, total)
         if key == self.synced:
             return {}
+        if engine is not None:
+            from dschat import engine as E
+
+            E.settle_partitions(engine)  # the gathers below run outside a forward
         self._wake()
         t0 = time.time()
         with _Watchdog(self.args.sync_timeout, "the weight sync into vLLM"):

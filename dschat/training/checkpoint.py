@@ -26,7 +26,7 @@ def save_hf(model: Any, tokenizer: Any, out_dir: str | Path, config_updates: dic
     """
     module = E.unwrap(model)
     failed = False
-    state = state_dict if state_dict is not None else E.full_state_dict(module)
+    state = state_dict if state_dict is not None else E.full_state_dict(model)
     if E.is_main():
         # Non-persistent buffers (rotary inv_freq) are not weights; the ZeRO-3 gather returns them too.
         transient = {f"{n}.{b}" if n else b for n, m in module.named_modules() for b in m._non_persistent_buffers_set}

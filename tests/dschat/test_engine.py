@@ -89,3 +89,45 @@ def test_a_one_process_run_builds_no_deepspeed_op(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not ext.exists() or not any(ext.iterdir()), sorted(p.name for p in ext.iterdir())
     assert "shm_comm" not in proc.stdout + proc.stderr
+
+
+def test_zero3_gathers_outside_a_forward_settle_prefetches_in_flight():
+    """ZeRO-3 prefetches parameters along the order it recorded; a forward that ends off that order leaves some
+    gathers in flight, and a gather outside a forward (saving, generating) then failed with "Cannot partition a
+    param in flight" (a ~110M model saving at the end of a packed two-rank run). The prefetcher's state is
+    planted here: three parameters in flight, registered as it registers them."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers import LlamaForCausalLM
+
+    E.setup_distributed()
+    torch.manual_seed(0)
+    # hidden 128: every matrix is over the persistence threshold (1e4 elements), so partitioned
+    model = LlamaForCausalLM(tiny_model_config(num_hidden_layers=2, hidden_size=128, intermediate_size=256))
+    eng = E.build_train_engine(model, engine=EngineArgs(zero_stage=3), optim=OptimArgs(
+        learning_rate=1e-2, per_device_train_batch_size=2, num_warmup_steps=0), dtype=torch.float32, total_steps=1)
+    x = torch.randint(4, 100, (2, 8))
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()
+    module = E.unwrap(eng)
+
+    def plant() -> list[torch.nn.Parameter]:
+        ahead = [p for p in module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE][:3]
+        handle = ahead[0].all_gather_coalesced(ahead)
+        for p in ahead:
+            module.ds_inflight_param_registry[p] = handle
+        assert all(p.ds_status == ZeroParamStatus.INFLIGHT for p in ahead)
+        return ahead
+
+    ahead = plant()
+    state = E.full_state_dict(eng)  # the engine: settled first
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in ahead)
+    assert set(state) >= {n for n, _ in module.named_parameters()}
+    assert torch.equal(E.full_state_dict(eng)["lm_head.weight"], state["lm_head.weight"])
+    plant()
+    with E.gathered_parameters(eng):
+        out = module.generate(x[:, :3], attention_mask=torch.ones_like(x[:, :3]), max_new_tokens=2, do_sample=False)
+    assert out.shape == (2, 5)
+    plant()
+    with pytest.raises(AssertionError, match="in flight"):  # the module alone cannot settle: the failure itself
+        E.full_state_dict(module)
+    E.settle_partitions(eng)
