@@ -345,7 +345,7 @@ def settle_partitions(model: Any) -> None:
     ("Cannot partition a param in flight"). Call on every rank before such a gather; a no-op for a plain module
     or another ZeRO stage.
     """
-    if is_zero3_partitioned(unwrap(model)) and hasattr(model, "empty_partition_cache"):
+    if hasattr(model, "empty_partition_cache") and is_zero3_partitioned(unwrap(model)):
         model.empty_partition_cache()
 
 
