@@ -10,6 +10,10 @@ The external libraries are imported lazily and log offline into the output folde
 chooses otherwise), Trackio to its local store (``O/trackio/``; ``TRACKIO_DIR``, ``TRACKIO_SERVER_URL`` or
 ``TRACKIO_SPACE_ID`` choose otherwise). ``check_trackers`` runs before anything loads (``begin_stage``): a missing
 package, or a server the environment names that does not answer, is one line and exit code 2.
+
+Each external run's identity is kept in ``O/trackers.json``; a run resumed in the same folder (``--resume``, or a
+health rollback) goes on in the same W&B, MLflow and Trackio run instead of starting another. A fresh start in the
+folder removes the file.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ EXTERNAL = ("wandb", "mlflow", "trackio")
 PROBE_TIMEOUT_S = 5.0
 SAMPLE_COLUMNS = ("step", "prompt", "answer", "reward")
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow stores that go through SQLAlchemy
+RUN_IDS = "trackers.json"  # in the output folder: {tracker: the id of its run}, for a resumed run to continue
 
 
 class Sink(Protocol):
-    """One place metrics go; an external one may say where (``where``, printed once when the run starts)."""
+    """One place metrics go; an external one may say where (``where``, printed once when the run starts) and
+    which run it writes (``run_id``, kept for a resumed run)."""
 
     name: str
 
@@ -121,11 +127,11 @@ class WandbSink(RunApiSink):
 
     name = "wandb"
 
-    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any]):
+    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any], resume_id: str | None = None):
         import wandb
 
         self.lib = wandb
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"id": resume_id, "resume": "allow"} if resume_id else {}
         if not os.environ.get("WANDB_MODE"):
             kwargs["mode"] = "offline"
         if not os.environ.get("WANDB_DIR"):
@@ -134,6 +140,7 @@ class WandbSink(RunApiSink):
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or PROJECT,
                               name=os.environ.get("WANDB_NAME") or run_name, config=config,
                               settings=wandb.Settings(**settings), **kwargs)
+        self.run_id = self.run.id  # offline, a resumed run is another offline-run-*-<id> folder; sync joins them
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -153,7 +160,7 @@ class MlflowSink:
     name = "mlflow"
     MAX_PARAMS, MAX_METRICS, MAX_PARAM_CHARS = 100, 1000, 6000  # MLflow's limits per batch and per value
 
-    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any]):
+    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any], resume_id: str | None = None):
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 
@@ -171,12 +178,26 @@ class MlflowSink:
         else:
             artifacts = (output_dir / "mlflow" / "artifacts").resolve().as_uri() if local else None
             experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:self.MAX_PARAM_CHARS])
-                  for k, v in config.items()]
-        for i in range(0, len(params), self.MAX_PARAMS):
-            self.client.log_batch(self.run_id, params=params[i:i + self.MAX_PARAMS])
+        self.run_id = self._resumed(resume_id)
+        if self.run_id is None:
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:self.MAX_PARAM_CHARS])
+                      for k, v in config.items()]
+            for i in range(0, len(params), self.MAX_PARAMS):
+                self.client.log_batch(self.run_id, params=params[i:i + self.MAX_PARAMS])
         self.where = f"run {self.run_id} in {uri}" + (f" (view: mlflow ui --backend-store-uri {uri})" if local else "")
+
+    def _resumed(self, run_id: str | None) -> str | None:
+        """The earlier run ``run_id``, running again; None when there is none (or the store no longer has it). Its
+        parameters stay those it started with (MLflow refuses to change a logged parameter)."""
+        if not run_id:
+            return None
+        try:
+            self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - MLflow's "not found" differs between stores
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         stamp = int(time.time() * 1000)
@@ -213,16 +234,18 @@ class TrackioSink(RunApiSink):
 
     name = "trackio"
 
-    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any]):
+    def __init__(self, output_dir: Path, run_name: str, config: dict[str, Any], resume_id: str | None = None):
         trackio = import_trackio(output_dir)
         self.lib = trackio
         self.quiet = quiet_stdout
+        self.run_id = resume_id or run_name  # a Trackio run is known by its name in the project
         with quiet_stdout():  # trackio prints its banner to stdout; dschat's stdout carries results only
-            self.run = trackio.init(project=PROJECT, name=run_name, config=config, embed=False)
+            self.run = trackio.init(project=PROJECT, name=self.run_id, config=config, embed=False,
+                                    resume="allow" if resume_id else "never")
         from trackio.utils import TRACKIO_DIR
 
         remote = os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL")
-        self.where = f"run {run_name} in " + (remote or f"{TRACKIO_DIR} (view: TRACKIO_DIR={TRACKIO_DIR} trackio "
+        self.where = f"run {self.run_id} in " + (remote or f"{TRACKIO_DIR} (view: TRACKIO_DIR={TRACKIO_DIR} trackio "
                                                          f"show --project {PROJECT})")
 
     def close(self, failed: bool) -> None:
@@ -236,10 +259,21 @@ def quiet_stdout() -> Any:
         yield
 
 
+def read_run_ids(output_dir: Path) -> dict[str, str]:
+    """``O/trackers.json``: the external trackers' run ids of the run in ``output_dir`` (empty without one)."""
+    try:
+        ids = json.loads((output_dir / RUN_IDS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
+
+
 def open_sinks(report_to: str, output_dir: Path, run_name: str, config: dict[str, Any]) -> list[Sink]:
     """The sinks ``--report-to`` names (jsonl is written by the tracker itself). TensorBoard missing is no error
-    (it is a requirement, but logging never stops a run); a failing external tracker is one line."""
+    (it is a requirement, but logging never stops a run); a failing external tracker is one line. An external
+    tracker continues the run ``O/trackers.json`` names for it, and the file is updated with the runs opened."""
     sinks: list[Sink] = []
+    ids = read_run_ids(output_dir)
     for name in report_sinks(report_to):
         if name == "tensorboard":
             with contextlib.suppress(ImportError):
@@ -247,11 +281,14 @@ def open_sinks(report_to: str, output_dir: Path, run_name: str, config: dict[str
         elif name in EXTERNAL:
             cls = {"wandb": WandbSink, "mlflow": MlflowSink, "trackio": TrackioSink}[name]
             try:
-                sinks.append(cls(output_dir, run_name, config))
+                sinks.append(cls(output_dir, run_name, config, ids.get(name)))
+                ids[name] = sinks[-1].run_id
             except ImportError as e:
                 raise UserError(missing(name, e)) from None
             except Exception as e:  # noqa: BLE001 - the library's own error, as one line
                 raise UserError(f"--report-to {name}: could not start a run: {first_line(e)}") from None
+    if any(name in EXTERNAL for name in report_sinks(report_to)):
+        (output_dir / RUN_IDS).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
     return sinks
 
 

@@ -69,24 +69,39 @@ def write_every_tracker(out: str) -> dict:
     return {}
 
 
+def resume_every_tracker(out: str) -> dict:
+    """The same folder's run again, as after --resume: two more rows (run in a child process)."""
+    tracker = RunTracker(out, True, 2, progress=False, report_to=ALL, config={"seed": 7, "data": ["a.jsonl"]})
+    tracker.log(3, {"train/loss": 0.125})
+    tracker.log(4, {"train/loss": 0.0625})
+    tracker.close()
+    return {}
+
+
 def read_trackers(out: str) -> dict:
     """What W&B, MLflow and Trackio hold of the run in ``out``, read with each library's own reader (run in a child
     process whose TRACKIO_DIR is ``out/trackio``)."""
     root = Path(out)
-    # W&B: the offline run's transaction log, as `wandb leet inspect --json` prints its records
-    [run_dir] = glob.glob(str(root / "wandb" / "offline-run-*"))
-    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir], capture_output=True,
-                          text=True, timeout=120, check=True)
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    history = {str(r["history"]["step"]["num"]): r["history"]["item"] for r in records if r["type"] == "history"}
-    [run] = [r["run"] for r in records if r["type"] == "run"]
-    tables = {}
-    for step, item in history.items():
-        if "eval/samples.path" in item:  # the table's file, beside the run's other files
-            tables[step] = json.loads((Path(run_dir) / "files" / item["eval/samples.path"]).read_text())
+    # W&B: the offline run's transaction log, as `wandb leet inspect --json` prints its records (a resumed run
+    # writes another offline-run-*-<id> folder with the same id; `wandb sync` joins them)
+    records, history, tables = [], {}, {}
+    run_dirs = sorted(glob.glob(str(root / "wandb" / "offline-run-*")))
+    for run_dir in run_dirs:
+        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
+                              capture_output=True, text=True, timeout=120, check=True)
+        mine = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        records += mine
+        for r in mine:
+            if r["type"] == "history":
+                item = history[str(r["history"]["step"]["num"])] = r["history"]["item"]
+                if "eval/samples.path" in item:  # the table's file, beside the run's other files
+                    tables[str(r["history"]["step"]["num"])] = json.loads(
+                        (Path(run_dir) / "files" / item["eval/samples.path"]).read_text())
+    run = [r["run"] for r in records if r["type"] == "run"][0]
     wandb = {"history": history, "config": run["config"]["update"], "name": run["display_name"],
              "project": run["project"], "alerts": [r["alert"] for r in records if r["type"] == "alert"],
-             "exit": [r["exit"] for r in records if r["type"] == "exit"], "tables": tables}
+             "exit": [r["exit"] for r in records if r["type"] == "exit"], "tables": tables,
+             "ids": [d.rsplit("-", 1)[1] for d in run_dirs]}
 
     # MLflow: the SQLite store under out/mlflow
     import mlflow
@@ -294,7 +309,8 @@ def test_alarms_samples_and_config_reach_every_tracker(tmp_path):
     out = tmp_path / "run"
     env = tracker_env(tmp_path)
     in_child("write_every_tracker", out, env)
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "mlflow", "tensorboard", "trackio", "wandb"]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "mlflow", "tensorboard", "trackers.json",
+                                                     "trackio", "wandb"]
     got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})
     assert_every_scalar_found(got, out)
     text = trackers.alarm_text(ALARM)
@@ -340,3 +356,21 @@ def test_tiny_run_reports_to_every_tracker(tmp_path):
     assert got["mlflow"]["params"] == {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
     assert {k: got["trackio"]["config"][k] for k in args} == args
     assert got["mlflow"]["status"] == "FINISHED" and got["wandb"]["name"] == got["trackio"]["name"] == "sft"
+
+
+def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
+    needs_trackers()
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+    in_child("write_every_tracker", out, env)
+    ids = read_json(out / trackers.RUN_IDS)
+    assert sorted(ids) == ["mlflow", "trackio", "wandb"]
+    in_child("resume_every_tracker", out, env)
+    assert read_json(out / trackers.RUN_IDS) == ids  # the same runs
+    got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})  # one MLflow/Trackio run
+    assert_every_scalar_found(got, out)
+    assert sorted(jsonl_scalars(out)) == [1, 2, 3, 4]
+    assert got["wandb"]["ids"] == [ids["wandb"]] * 2  # two offline folders of one W&B run
+    assert got["mlflow"]["status"] == "FINISHED" and got["mlflow"]["params"] == {"seed": "7", "data": '["a.jsonl"]'}
+    assert got["mlflow"]["metrics"]["train/loss"] == {"1": 0.5, "2": 0.25, "3": 0.125, "4": 0.0625}
+    assert got["trackio"]["name"] == ids["trackio"] == "run"
