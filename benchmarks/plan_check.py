@@ -113,9 +113,8 @@ def measure(step: int, values: dict[str, Any], ranks: int, work: Path) -> dict[s
 def planned(step: int, values: dict[str, Any], ranks: int) -> Any:
     from dschat.planning import make_plan
 
-    # CPU memory holds only the written part of DeepSpeed's gradient bucket (a GPU allocates all of it)
-    return make_plan(step, values, num_gpus=ranks, gpu_memory=1 << 50, reserve_bytes=0, suggest=False,
-                     whole_buckets=False)
+    # the CPU device: its fixed cost per rank, and only the written part of DeepSpeed's gradient bucket
+    return make_plan(step, values, num_gpus=ranks, gpu="CPU", gpu_memory=1 << 50, suggest=False)
 
 
 def main() -> None:

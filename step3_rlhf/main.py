@@ -43,7 +43,7 @@ from dschat.training.tracking import RunTracker, write_eval
 
 def run(cfg: RLHFConfig) -> dict[str, Any]:
     check_config(cfg)
-    Algo, d, o, rl = cfg.algorithm, cfg.data, cfg.optim, cfg.rl
+    Algo, d, o, rl = cfg.algorithm.load(), cfg.data, cfg.optim, cfg.rl  # the run-time class of --algo
     stage = begin_stage(cfg, "step3_rlhf", f"output/{Algo.output_name}")
     tok = load_tokenizer(resolve_model(cfg.actor.model), cfg.model.trust_remote_code)
     with E.main_process_first():  # without --data: the algorithm's demo file (e.g. prompts with checkable answers)

@@ -67,7 +67,8 @@ def print_plan(step: int, args: list[str], *, num_gpus: int = 1, nodes: int = 1,
               help="GPUs per node.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes.")
 @click.option("--gpu", default=None, help="GPU model from the planner's table (A100-40GB, A100-80GB, H100-80GB, "
-                                          "H200, L40S, L4, A10G, RTX 4090, V100-32GB); default A100-80GB.")
+                                          "H200, L40S, L4, A10G, RTX 4090, V100-32GB), or CPU (ranks on this "
+                                          "host's cores, sharing its memory); default A100-80GB.")
 @click.option("--gpu-memory", "--gpu_memory", "gpu_memory", default=None,
               help="Memory per GPU, e.g. 80GiB or 40GB (overrides --gpu's).")
 @click.option("--rows", type=click.IntRange(min=1), default=None,

@@ -148,7 +148,7 @@ def _model_folders(step: int, cfg: Any) -> list[tuple[str, str, str]]:
         if step == 1 and cfg.kd.teacher_model:
             out.append(("teacher", "--teacher-model", cfg.kd.teacher_model))
         return out
-    from dschat.rlhf.scoring import JUDGE, RM
+    from dschat.rewards.names import JUDGE, RM
 
     names = cfg.reward_func_names()
     out = [("actor", "--actor-model", cfg.actor.model)]

@@ -1,11 +1,16 @@
-"""The planner's GPU table: memory, dense 16-bit tensor throughput and memory bandwidth (vendor datasheets).
+"""The planner's device table: memory, dense 16-bit tensor throughput and memory bandwidth (vendor datasheets),
+and the fixed memory a run holds beside its model memory.
 
 Memory is what ``nvidia-smi`` reports as the total (MiB); FLOPs are dense (no structured sparsity) bf16 with fp32
 accumulation, fp16 for the V100, which has no bf16.
+
+``CPU`` is the gloo backend on a host's cores (tests, CI, a first try): its ranks share the host's memory, it
+computes in fp32, and its throughput and fixed cost were measured on a 2-core x86 VM (docs/planning.md, Checks).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from dschat.errors import UserError
@@ -14,13 +19,38 @@ GiB = 1024**3
 MiB = 1024**2
 
 
+# A GPU's fixed cost per process: the CUDA context, NCCL's buffers and the caching allocator's slack.
+GPU_RESERVE = int(1.5 * GiB)
+# A CPU rank's, beyond its imports: the data and tokenizer, DeepSpeed's setup and per-thread allocator arenas
+# (~240 MiB measured on one rank), plus gloo's process group and buffers with more than one rank (~55 MiB).
+CPU_RESERVE = 240 * MiB
+CPU_COLLECTIVE_RESERVE = 55 * MiB
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
     memory: int  # bytes
-    flops: float  # peak dense 16-bit FLOP/s
+    flops: float  # peak dense FLOP/s in ``auto_dtype``
     bandwidth: float  # bytes/s
-    bf16: bool = True
+    auto_dtype: str = "bf16"  # what ``--dtype auto`` means on it
+    reserve: int = GPU_RESERVE  # fixed bytes per process beside the model's
+    collective_reserve: int = 0  # more of them when the run has more than one rank
+    host: bool = False  # the host's cores and RAM: its ranks share ``memory``, and pages count once written
+
+    def reserve_for(self, ranks: int) -> int:
+        return self.reserve + (self.collective_reserve if ranks > 1 else 0)
+
+    def memory_per_rank(self, ranks_per_node: int) -> int:
+        return self.memory // ranks_per_node if self.host else self.memory
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
@@ -32,7 +62,10 @@ GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
     GPU("L4", 23034 * MiB, 121e12, 0.3e12),
     GPU("A10G", 23028 * MiB, 70e12, 0.6e12),
     GPU("RTX 4090", 24564 * MiB, 165e12, 1.008e12),
-    GPU("V100-32GB", 32768 * MiB, 125e12, 0.9e12, bf16=False),
+    GPU("V100-32GB", 32768 * MiB, 125e12, 0.9e12, auto_dtype="fp16"),
+    # fp32 matmul and copy throughput of 2 cores of an x86 VM (torch, 2 threads); the memory is this host's
+    GPU("CPU", host_memory(), 55e9, 13e9, auto_dtype="fp32", reserve=CPU_RESERVE,
+        collective_reserve=CPU_COLLECTIVE_RESERVE, host=True),
 )}
 DEFAULT_GPU = "A100-80GB"
 # Names without the memory size, for the GPUs whose common form has one size.
@@ -73,3 +106,8 @@ def fmt_bytes(n: float) -> str:
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
     return f"{n / MiB:.1f} MiB"
+
+
+def fmt_rate(x: float, unit: str) -> str:
+    """A rate in T (or G below 1e12) of ``unit``: ``312 TFLOP/s``, ``2.04 TB/s``, ``55 GFLOP/s``."""
+    return f"{x / 1e12:.3g} T{unit}" if x >= 1e12 else f"{x / 1e9:.3g} G{unit}"

@@ -3,7 +3,7 @@
 The stage's flags are parsed by the stage's own config class (``dschat.config.build_config``), so the planner
 reads exactly what ``dschat train --step N`` would; model shapes come from config files alone
 (``dschat.planning.shapes``) and the arithmetic from ``dschat.planning.memory``. Nothing here loads weights or
-imports torch (stage 3's config module does import the training stack: its flags are declared beside it).
+imports torch (stage 3's algorithms answer from their specs, ``dschat.rlhf.specs``).
 
 Phases: stages 1 and 2 have one (``train``: the trained model's micro-batch, and a distillation teacher's
 forward). Stage 3 has ``generate`` (the actor's weights gathered whole under ZeRO-3, as the generation path and
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.planning.gpus import DEFAULT_GPU, GPU, GPUS, GiB, find_gpu, fmt_bytes
+from dschat.planning.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu, fmt_bytes, fmt_rate
 from dschat.planning.memory import (
     ModelStates,
     Sharding,
@@ -36,8 +36,6 @@ from dschat.planning.memory import (
 )
 from dschat.planning.shapes import ModelShape, model_config, shape_from_config
 
-# CUDA context, NCCL buffers and the caching allocator's slack, per GPU.
-RESERVE_BYTES = int(1.5 * GiB)
 # Efficiency assumptions of the time estimate (docs/planning.md): model FLOPs utilisation of training and of the
 # frozen forwards, and the share of the memory bandwidth a decode step reaches.
 TRAIN_MFU = 0.40
@@ -211,7 +209,7 @@ class Plan:
 
 
 def config_class(step: int) -> type:
-    """The stage's config class (stage 3's imports the training stack)."""
+    """The stage's config class."""
     if step == 1:
         from dschat.config import SFTConfig
 
@@ -229,28 +227,29 @@ def config_class(step: int) -> type:
 
 def make_plan(step: int, values: dict[str, Any], *, num_gpus: int = 1, nodes: int = 1, gpu_memory: int | None = None,
               gpu: str | None = None, rows: int | None = None, reserve_bytes: int | None = None,
-              suggest: bool = True, whole_buckets: bool = True) -> Plan:
+              suggest: bool = True, whole_buckets: bool | None = None) -> Plan:
     """Plan stage ``step`` for the flat stage flags ``values`` (the config's field names, as ``dschat train``
     takes them) on ``num_gpus`` GPUs per node x ``nodes``.
 
     ``gpu``: a name of ``dschat.planning.gpus.GPUS`` (its memory, FLOPs, bandwidth; default A100-80GB);
     ``gpu_memory``: bytes per GPU (overrides the GPU's); ``rows``: training rows of the whole dataset (split by
     ``--data-split``) for the run's time when ``--max-steps`` is not given; ``reserve_bytes``: fixed overhead
-    per GPU (default ``RESERVE_BYTES``); ``suggest``: search for the smallest change that fits when it does not;
-    ``whole_buckets=False`` counts only the written part of DeepSpeed's gradient bucket, as CPU memory sees it
-    (``dschat.planning.memory.gradient_bucket_bytes``; for checks on a CPU).
+    per GPU (default: the device's, ``GPU.reserve_for``); ``suggest``: search for the smallest change that fits
+    when it does not; ``whole_buckets=False`` counts only the written part of DeepSpeed's gradient bucket, as CPU
+    memory sees it (``dschat.planning.memory.gradient_bucket_bytes``; the default on ``--gpu CPU``).
     """
     from dschat.config import build_config
 
     if num_gpus < 1 or nodes < 1:
         raise UserError("--num-gpus and --nodes must be at least 1")
     dev = find_gpu(gpu) if gpu else GPUS[DEFAULT_GPU.lower()]
-    memory = gpu_memory if gpu_memory is not None else dev.memory
-    reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+    memory = gpu_memory if gpu_memory is not None else dev.memory_per_rank(num_gpus)
+    reserve = dev.reserve_for(num_gpus * nodes) if reserve_bytes is None else reserve_bytes
+    whole = not dev.host if whole_buckets is None else whole_buckets
     cfg = build_config(config_class(step), dict(values))
     ranks = num_gpus * nodes
     build = {1: _stage1, 2: _stage2, 3: _stage3}[step]
-    models, phases, throughput, settings = build(cfg, ranks, dev, rows, whole_buckets)
+    models, phases, throughput, settings = build(cfg, ranks, dev, rows, whole)
     saved = [m for m in models if m.trainable or m.role == "actor EMA"]
     checkpoint = sum(m.params * models[0].sharding.dtype_bytes for m in saved)
     state = sum(m.params * m.sharding.dtype_bytes + 12 * m.trainable for m in models if m.trainable)
@@ -265,7 +264,7 @@ def _dtype_bytes(dtype: str, dev: GPU) -> tuple[int, str]:
     if dtype == "fp32":
         return 4, "fp32"
     if dtype == "auto":
-        return 2, "bf16" if dev.bf16 else "fp16"
+        return (4, "fp32") if dev.auto_dtype == "fp32" else (2, dev.auto_dtype)
     return 2, dtype
 
 
@@ -348,7 +347,7 @@ def _one_model(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool, *,
     flops = _train_flops(m, tokens, s, gc) + flops_teacher * accum
     seconds = flops / (dev.flops * TRAIN_MFU)
     steps = _steps(cfg, rows, 1 if role == "model" else 2, b * accum * ranks)
-    notes = [f"{TRAIN_MFU:.0%} MFU", f"every row padded to --max-seq-len {s}", f"{dev.flops / 1e12:.0f} TFLOP/s peak"]
+    notes = [f"{TRAIN_MFU:.0%} MFU", f"every row padded to --max-seq-len {s}", f"{fmt_rate(dev.flops, 'FLOP/s')} peak"]
     tp = Throughput(flops, seconds, steps, {"train": seconds}, tokens, notes)
     settings = {"dtype": dname, "micro_batch": b, "seq_len": s, "gradient_checkpointing": gc,
                 "zero_stage": z.stage, "offload": z.offload, "lora_dim": lo.lora_dim, "ranks": ranks}
@@ -364,7 +363,7 @@ def _stage2(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
 
 
 def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> Any:
-    from dschat.rlhf.scoring import RM
+    from dschat.rewards.names import RM
 
     d, dname = _dtype_bytes(cfg.model.dtype, dev)
     needs = cfg.algorithm.needs(cfg)
@@ -448,7 +447,7 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
     passes = micro * b / max(1, gen_rows if generates else exp_rows)  # training passes over each experience row
     parts: dict[str, float] = {}
     notes = [f"{TRAIN_MFU:.0%} MFU in training", f"{FORWARD_MFU:.0%} in forwards and prefill",
-             f"decoding at {DECODE_BANDWIDTH:.0%} of {dev.bandwidth / 1e12:.2f} TB/s (weights + KV cache read per "
+             f"decoding at {DECODE_BANDWIDTH:.0%} of {fmt_rate(dev.bandwidth, 'B/s')} (weights + KV cache read per "
              f"token)", f"every answer {answer} tokens long"]
     batches = cfg.ppo.generation_batches if algo == "ppo" else 1
     if generates:

@@ -1,2 +1,3 @@
-"""Reward sources: rule and user reward functions and the mixer that weighs them (``functions``), and generative
-judges in the RM-R1 style (``judge``). See docs/algorithms.md (Rule rewards) and docs/judge.md."""
+"""Reward sources: rule and user reward functions and the mixer that weighs them (``functions``), generative
+judges in the RM-R1 style (``judge``), and the names of the sources that score with a model (``names``, without
+torch). See docs/algorithms.md (Rule rewards) and docs/judge.md."""

@@ -39,11 +39,10 @@ from dschat.errors import UserError
 from dschat.losses import overlong_penalty
 from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 from dschat.rewards.judge import LETTER_OF, parse_verdict
+from dschat.rewards.names import RM
 from dschat.rewards.remote import RemoteReward, is_remote
 
 RewardFunc = Callable[..., list[float]]
-
-RM = "rm"  # the reward model's end score, computed by stage 3
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 

@@ -37,9 +37,9 @@ from dschat.prompts import (
     judge_user_message,
     read_system_prompt,
 )
+from dschat.rewards.names import JUDGE
 from dschat.utils import progress_bar
 
-JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
 TAIL_CHARS = 80  # RM-R1 reads the verdict from the end of the completion only
 VERDICTS = {"A": "<answer>[[A]]</answer>", "B": "<answer>[[B]]</answer>"}
 WINNER_OF = {"A": "model_a", "B": "model_b"}

@@ -1,8 +1,10 @@
 """Stage 3's flags: the shared pieces of ``dschat.config`` composed per model, plus the RL pieces.
 
 Every flag is declared once. Per-model flags come from one prefixed declaration (``piece(LoraArgs, "actor")`` is
-``--actor-lora-dim``, ...); the algorithm's own flags live beside it (``ppo.PPOArgs``, ``grpo.GRPOArgs``), and a
-flag that belongs to another algorithm than ``--algo`` is refused before anything loads (``inert_flags``).
+``--actor-lora-dim``, ...); the algorithms' own flags live beside their specs (``specs.PPOArgs``,
+``specs.GRPOArgs``), and a flag that belongs to another algorithm than ``--algo`` is refused before anything loads
+(``inert_flags``). Building and checking the config imports neither torch nor DeepSpeed (the algorithms' run-time
+classes load with ``spec.load()``); the checks that need the generation stack import it when they run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.config import (
+    BACKENDS,
     HEALTH_STAGE2,
     VLLM_FLAGS,
     DataArgs,
@@ -27,17 +30,10 @@ from dschat.config import (
     piece,
 )
 from dschat.errors import UserError
-from dschat.generation.backends import BACKENDS, resolve_backend
-from dschat.generation.decode import LEAN_MODEL_TYPES
-from dschat.generation.vllm_engine import require_vllm
-from dschat.models.loading import local_model_type
+from dschat.rewards.names import JUDGE, RM
 from dschat.rewards.remote import is_remote
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
-from dschat.rlhf.dpo import DPOArgs
-from dschat.rlhf.grpo import GRPOArgs
-from dschat.rlhf.ppo import PPOArgs
-from dschat.rlhf.rloo import RLOOArgs
-from dschat.rlhf.scoring import JUDGE, RM
+from dschat.rlhf.specs import DPOArgs, GRPOArgs, PPOArgs, RLOOArgs
 
 PER_MODEL_OPTIM = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2")
 PER_MODEL = ("model", "gradient_checkpointing", "dropout")
@@ -140,6 +136,8 @@ def vllm_inert(backend: str, with_training: bool = False) -> dict[str, str]:
     if with_training:
         names += ["vllm_importance_sampling", "vllm_importance_sampling_cap"]
     if not (backend == "vllm" or (backend == "auto" and _vllm_on_gpu())):
+        from dschat.generation.backends import resolve_backend
+
         return {n: f"without --generation-backend vllm (here: {resolve_backend(backend)})" for n in names}
     import torch
 
@@ -220,6 +218,7 @@ class RLHFConfig:
 
     @property
     def algorithm(self) -> Any:
+        """The spec of ``--algo`` (``.load()``: its run-time class)."""
         return ALGORITHMS[self.rl.algo]
 
     def inert_flags(self) -> dict[str, str]:
@@ -259,6 +258,8 @@ def check_config(cfg: RLHFConfig) -> None:
         raise UserError("stage 3 needs --actor-model (a step-1 output)")
     check_reward_models(cfg.reward_func_names(), cfg.rewards)
     if cfg.rl.generation_backend == "vllm":
+        from dschat.generation.vllm_engine import require_vllm
+
         require_vllm()
         if cfg.rl.enable_hybrid_engine:
             raise UserError("--enable-hybrid-engine and --generation-backend vllm both name what samples; pick one")
@@ -266,6 +267,9 @@ def check_config(cfg: RLHFConfig) -> None:
         if cfg.actor_lora.lora_dim > 0:
             raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its "
                             "layers; use --generation-backend dschat with --actor-lora-dim")
+        from dschat.generation.decode import LEAN_MODEL_TYPES
+        from dschat.models.loading import local_model_type
+
         kind = local_model_type(cfg.actor.model)
         if kind is not None and kind not in LEAN_MODEL_TYPES:
             raise UserError(f"--generation-backend compiled needs a Llama-architecture model "

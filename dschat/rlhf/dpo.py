@@ -9,13 +9,13 @@ recomputes them from the frozen reference.
 
 Data: the phase-3 part of ``--data`` tokenized as pairs (phase 2's chosen/rejected rows, plus ``prompt_len``).
 The flags are DPO's own (``--dpo-beta``, ``--dpo-loss-type``): GRPO's ``--beta``/``--loss-type`` have other
-defaults and choices, and one declaration per flag keeps ``refuse_inert`` exact.
+defaults and choices, and one declaration per flag keeps ``refuse_inert`` exact. They (``DPOArgs``) and what DPO is
+before anything loads (``DPOSpec``) are in ``specs.py``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,58 +23,18 @@ from torch.utils.data import DataLoader
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.config import SAMPLING_ALARMS, VLLM_FLAGS, arg
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
 from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
-from dschat.errors import UserError
 from dschat.evaluation.policy import evaluate
 from dschat.models.logits import token_logps
-from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.rollout import positions_from_mask
 from dschat.rlhf.scoring import Scorer
+from dschat.rlhf.specs import DPOArgs, DPOSpec
 from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
-LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
 EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
              "logps_rejected", "logratio", "eval_pairs")
-
-
-def no_importance_sampling(algo: str) -> dict[str, str]:
-    """The vLLM importance-sampling flags under an algorithm without a policy-gradient loss to weigh."""
-    return {n: f"with --algo {algo} (no policy-gradient loss to weigh)"
-            for n in ("vllm_importance_sampling", "vllm_importance_sampling_cap")}
-
-
-@dataclass
-class DPOArgs:
-    dpo_loss_type: str = arg("sigmoid", "DPO loss: sigmoid (DPO), ipo (on length-averaged log-ratios; its reported "
-                                        "rewards on summed ones, as TRL's), cdpo (label "
-                                        "smoothing, --label-smoothing), simpo (no reference, length-normalised, "
-                                        "margin --simpo-gamma).", choices=LOSS_TYPES)
-    dpo_beta: float | None = arg(None, "DPO's beta (IPO's tau) [default 0.1; 2.0 with simpo, SimPO's setting].",
-                                 above=0)
-    label_smoothing: float = arg(0.0, "cdpo: the probability that a preference label is flipped, in [0, 0.5).",
-                                 low=0)
-    simpo_gamma: float = arg(0.5, "simpo: the target reward margin gamma subtracted inside the sigmoid.", low=0)
-    rpo_alpha: float = arg(0.0, "Weight of the chosen answers' negative log-likelihood per token (a mean over all "
-                                "chosen tokens of the batch, as TRL's rpo_alpha) added to the loss (RPO: Pang et al. "
-                                "2024, arXiv:2404.19733). DPO alone can lower the likelihood of both answers and "
-                                "drift; this keeps the chosen ones likely.", low=0)
-
-    @property
-    def beta(self) -> float:
-        if self.dpo_beta is not None:
-            return self.dpo_beta
-        return 2.0 if self.dpo_loss_type == "simpo" else 0.1
-
-    def inert_fields(self) -> dict[str, str]:
-        out = {}
-        if self.dpo_loss_type != "cdpo":
-            out["label_smoothing"] = "without {dpo_loss_type} cdpo"
-        if self.dpo_loss_type != "simpo":
-            out["simpo_gamma"] = "without {dpo_loss_type} simpo"
-        return out
 
 
 class DataCollatorPairs(DataCollatorReward):
@@ -219,60 +179,8 @@ def implicit_summary(a: DPOArgs, before: dict[str, Any], after: dict[str, Any]) 
     return out
 
 
-class DPO:
-    name = "dpo"
-    help = "offline DPO on preference pairs (sigmoid, ipo, cdpo, simpo)"
-    uses = frozenset({"dpo"})
-    output_name = "step3_dpo"
-    demo_data = "pairwise"
-    tokenize_as = 2  # the phase-3 part of --data, tokenized as chosen/rejected pairs
+class DPO(DPOSpec):
     collator = DataCollatorPairs
-
-    @staticmethod
-    def needs(cfg: Any) -> set[str]:
-        return set() if cfg.dpo.dpo_loss_type == "simpo" else {"reference"}
-
-    @staticmethod
-    def reward_func_names(cfg: Any) -> list[str]:
-        """Only for evaluating sampled answers: --reward-funcs, else rm with --reward-model, else none."""
-        return list(cfg.rewards.reward_funcs) or ([RM] if cfg.rewards.reward_model else [])
-
-    @staticmethod
-    def inert_flags(cfg: Any) -> dict[str, str]:
-        out = {"min_answer_len": "with --algo dpo (no answers are trained on)",
-               "per_device_generation_batch_size": "with --algo dpo (an update takes --per-device-train-batch-size "
-                                                   "x --gradient-accumulation-steps pairs)"}
-        if not DPO.reward_func_names(cfg):
-            why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
-            out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len", "eval_samples",
-                                         "enable_hybrid_engine", "generation_backend", "reward_weights",
-                                         *VLLM_FLAGS)})
-        out.update(no_importance_sampling("dpo"))
-        out.update({n: "with --algo dpo (it trains on dataset pairs: no sampled answers to watch)"
-                    for n in SAMPLING_ALARMS})
-        if cfg.dpo.dpo_loss_type == "simpo":
-            out.update({n: "with --dpo-loss-type simpo (no reference)"
-                        for n in ("reference_zero_stage", "offload_reference_model")})
-        return out
-
-    @staticmethod
-    def check_config(cfg: Any) -> None:
-        a = cfg.dpo
-        if not 0.0 <= a.label_smoothing < 0.5:
-            raise UserError("--label-smoothing must be in [0, 0.5): at 0.5 the labels carry no preference")
-        if a.dpo_loss_type == "cdpo" and a.label_smoothing == 0.0:
-            raise UserError("--dpo-loss-type cdpo needs --label-smoothing > 0 (at 0 it is --dpo-loss-type sigmoid)")
-
-    @staticmethod
-    def batch_size(cfg: Any) -> int:
-        """Pairs per update, as TRL's DPO counts them: ``--per-device-train-batch-size`` pairs per micro-batch times
-        ``--gradient-accumulation-steps`` micro-batches, one optimizer step."""
-        return int(cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps)
-
-    @staticmethod
-    def plan(cfg: Any, pair_batches: int) -> tuple[int, int]:
-        """One batch of pairs per update (``batch_size``), in ``--gradient-accumulation-steps`` micro-batches."""
-        return pair_batches, int(cfg.optim.gradient_accumulation_steps)
 
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer | None, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):

@@ -7,23 +7,21 @@ its aggregation are pure functions in ``dschat.losses``.
 
 The critic-free estimators (``rloo.py``, ``reinforce_pp.py``, ``remax.py``) are this machinery with another
 advantage: they subclass ``GRPO`` and override ``advantages`` (and ``prompt_baselines``, ``needs_old``), and
-read the GRPO flags they list in ``uses`` (``grpo_flags``).
+read the GRPO flags they list in ``uses`` (``specs.grpo_flags``). The flags (``GRPOArgs``) and what each member is
+before anything loads (``GRPOSpec`` and its subclasses) are in ``specs.py``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.config import arg
-from dschat.errors import UserError
-from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import (
@@ -36,57 +34,8 @@ from dschat.rlhf.rollout import (
     repeat_prompts,
 )
 from dschat.rlhf.scoring import Scorer
+from dschat.rlhf.specs import GRPOSpec
 from dschat.training.stage import EpochStream, to_device
-
-DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025, sec. 3.1)
-
-
-@dataclass
-class GRPOArgs:
-    num_generations: int = arg(4, "Completions per prompt (G, one group).", low=2)
-    num_iterations: int = arg(1, "Policy passes over each generation (mu); > 1 caches the old log-probs.", low=1)
-    beta: float = arg(0.04, "KL coefficient to the reference; 0 loads no reference model.", low=0)
-    kl_estimator: str = arg("k3", "Estimator of KL(policy || reference) in the loss (Schulman 2020).",
-                            choices=("k1", "k2", "k3"))
-    epsilon: float = arg(0.2, "Lower ratio clip: clip(ratio, 1 - epsilon, 1 + epsilon_high).", above=0)
-    epsilon_high: float | None = arg(None, f"Upper ratio clip (default: --epsilon; {DAPO_EPS_HIGH} with "
-                                           "--loss-type dapo, DAPO's clip-higher).", above=0)
-    scale_rewards: str = arg("group", "Advantage scale: reward minus group mean, divided by the group's std, the "
-                                      "batch's std, or nothing (Dr. GRPO).", choices=("group", "batch", "none"))
-    loss_type: str | None = arg(None, "Loss aggregation: grpo (per-sequence token mean), dr_grpo (sum / (batch * "
-                                      "max length)), dapo (token mean over the batch; clip-higher, dynamic "
-                                      "sampling), gspo (sequence-level ratio). Default: grpo; remax: dr_grpo.",
-                                choices=("grpo", "dr_grpo", "dapo", "gspo"))
-    dynamic_sampling: bool | None = arg(None, "Drop groups whose rewards are all equal and generate more prompts to "
-                                              "refill the batch (DAPO). Default: on with --loss-type dapo only.")
-    max_resample_rounds: int = arg(3, "Extra generation rounds per step to refill dropped groups (dynamic "
-                                      "sampling); the step trains on what it has after them.", low=0)
-    mask_truncated_completions: bool = arg(False, "Completions that never reached EOS get a zero action mask.")
-    overlong_penalty: bool | None = arg(None, "Add the reward 'overlong' (DAPO's soft overlong punishment, weight "
-                                              "1) to the reward functions. Default: on with --loss-type dapo only.")
-
-    @property
-    def eps_high(self) -> float:
-        if self.epsilon_high is not None:
-            return self.epsilon_high
-        return DAPO_EPS_HIGH if self.loss_type == "dapo" else self.epsilon
-
-    @property
-    def dynamic(self) -> bool:
-        return self.dynamic_sampling if self.dynamic_sampling is not None else self.loss_type == "dapo"
-
-    @property
-    def overlong(self) -> bool:
-        return self.overlong_penalty if self.overlong_penalty is not None else self.loss_type == "dapo"
-
-
-def grpo_flags(*without: str) -> frozenset[str]:
-    """``uses`` entries for an algorithm that reads GRPO's flags except ``without`` (``"grpo.<field>"`` each):
-    the flags left out are refused under it, as another algorithm's are."""
-    names = {f.name for f in fields(GRPOArgs)}
-    if unknown := set(without) - names:
-        raise ValueError(f"not GRPO flags: {sorted(unknown)}")
-    return frozenset(f"grpo.{n}" for n in names - set(without))
 
 
 @dataclass
@@ -163,39 +112,7 @@ def optimizer_step_normalizers(mbs: list[GroupBatch], loss_type: str, max_len: i
     return [max(units[w].item(), 1.0) / scale for w in window]
 
 
-class GRPO(OnPolicy):
-    name = "grpo"
-    help = "the GRPO family, G completions per prompt and group-relative advantages, no critic"
-    uses = frozenset({"grpo"})
-    output_name = "step3_grpo"
-    demo_data = "prompts"  # without --data: the demo's arithmetic prompts, whose answers the rules can check
-    default_loss_type = "grpo"  # without --loss-type
-
-    @staticmethod
-    def needs(cfg: Any) -> set[str]:
-        return {"reference"} if cfg.grpo.beta != 0.0 else set()
-
-    @staticmethod
-    def reward_func_names(cfg: Any) -> list[str]:
-        """--reward-funcs, else rm with a reward model, else format + accuracy; plus 'overlong' with
-        --overlong-penalty (default with dapo, whose recipe includes it)."""
-        names = list(cfg.rewards.reward_funcs) or ([RM] if cfg.rewards.reward_model else ["format", "accuracy"])
-        if cfg.grpo.overlong and "overlong" not in names:
-            names.append("overlong")
-        return names
-
-    @staticmethod
-    def check_config(cfg: Any) -> None:
-        if cfg.grpo.num_generations < 2:
-            raise UserError("--num-generations must be >= 2: GRPO's advantage compares completions of one prompt")
-
-    @staticmethod
-    def plan(cfg: Any, prompt_batches: int) -> tuple[int, int]:
-        """``(updates per epoch, optimizer steps' micro-batches per update)``: one prompt batch per update, each
-        prompt with G completions, mu passes."""
-        rows = cfg.rl.per_device_generation_batch_size * cfg.grpo.num_generations
-        return prompt_batches, cfg.grpo.num_iterations * math.ceil(rows / cfg.optim.per_device_train_batch_size)
-
+class GRPO(OnPolicy, GRPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):
         self.cfg, self.g, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.grpo, models, hybrid, scorer, gen

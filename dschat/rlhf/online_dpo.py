@@ -20,7 +20,6 @@ answers, which a dataset's pairs need not contain.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -30,22 +29,13 @@ from torch.utils.data import DataLoader
 from dschat import engine as E
 from dschat import losses as L
 from dschat.data.phases import pairs_of
-from dschat.errors import UserError
 from dschat.generation.hybrid_engine import HybridEngine
-from dschat.rewards.functions import RM
-from dschat.rlhf.dpo import (
-    DPO,
-    DataCollatorPairs,
-    implicit_eval,
-    implicit_summary,
-    no_importance_sampling,
-    pair_loss,
-    pair_stats,
-)
+from dschat.rlhf.dpo import DataCollatorPairs, implicit_eval, implicit_summary, pair_loss, pair_stats
 from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
+from dschat.rlhf.specs import OnlineDPOSpec
 from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
 SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs", "onpolicy_implicit_accuracy", "onpolicy_pairs")
@@ -59,44 +49,7 @@ def rollout_logps(model: Any, rollout: Rollout) -> tuple[torch.Tensor, torch.Ten
     return L.masked_sum(answer_logprobs(model, rollout), mask, dim=-1), mask.sum(-1)
 
 
-class OnlineDPO(OnPolicy):
-    name = "online_dpo"
-    help = ("online DPO: G samples per prompt from the current policy, best vs worst by any reward source, a DPO "
-            "step")
-    uses = frozenset({"dpo", "grpo.num_generations"})
-    output_name = "step3_online_dpo"
-    demo_data = "prompts"  # without --data: the arithmetic prompts, scored by the default rules
-
-    @staticmethod
-    def needs(cfg: Any) -> set[str]:
-        return DPO.needs(cfg)
-
-    @staticmethod
-    def reward_func_names(cfg: Any) -> list[str]:
-        """--reward-funcs, else rm with --reward-model, else format + accuracy (GRPO's defaults)."""
-        return list(cfg.rewards.reward_funcs) or ([RM] if cfg.rewards.reward_model else ["format", "accuracy"])
-
-    @staticmethod
-    def inert_flags(cfg: Any) -> dict[str, str]:
-        out = no_importance_sampling("online_dpo")
-        if cfg.dpo.dpo_loss_type == "simpo":
-            out.update({n: "with --dpo-loss-type simpo (no reference)"
-                        for n in ("reference_zero_stage", "offload_reference_model")})
-        return out
-
-    @staticmethod
-    def check_config(cfg: Any) -> None:
-        DPO.check_config(cfg)
-        if cfg.grpo.num_generations < 2:
-            raise UserError("--num-generations must be >= 2: a pair needs two answers to one prompt")
-
-    @staticmethod
-    def plan(cfg: Any, prompt_batches: int) -> tuple[int, int]:
-        """One prompt batch per update; at most one pair per prompt, in micro-batches of
-        ``--per-device-train-batch-size`` pairs (ties make some updates shorter)."""
-        return prompt_batches, math.ceil(cfg.rl.per_device_generation_batch_size
-                                         / cfg.optim.per_device_train_batch_size)
-
+class OnlineDPO(OnPolicy, OnlineDPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):
         self.cfg, self.a, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.dpo, models, hybrid, scorer, gen

@@ -3,12 +3,12 @@ reference, critic and reward model, KL-penalised per-token rewards, GAE, then ``
 actor and critic steps.
 
 One ``PPO.step()``: ``generation_batches`` experience batches -> ``update``. The losses and GAE are pure
-functions in ``dschat.losses``; the KL controller is the only state the algorithm carries between steps.
+functions in ``dschat.losses``; the KL controller is the only state the algorithm carries between steps. Its flags
+(``PPOArgs``) and what it is before anything loads (``PPOSpec``) are in ``specs.py``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -17,10 +17,8 @@ import torch
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.config import DataArgs, arg
+from dschat.config import DataArgs
 from dschat.data import DataCollatorSFT, load_phase
-from dschat.errors import UserError
-from dschat.rewards.functions import RM
 from dschat.rlhf.ema import ActorEMA
 from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import (
@@ -34,27 +32,8 @@ from dschat.rlhf.rollout import (
     pad_right,
 )
 from dschat.rlhf.scoring import Scorer
+from dschat.rlhf.specs import PPOSpec
 from dschat.training.stage import EpochStream, to_device, train_loader
-
-
-@dataclass
-class PPOArgs:
-    ppo_epochs: int = arg(1, "Passes over each batch of experience.", low=1)
-    generation_batches: int = arg(1, "Generation batches collected before each PPO update.", low=1)
-    kl_ctl: float = arg(0.1, "KL penalty coefficient in the per-token reward.", low=0)
-    kl_target: float | None = arg(None, "Target KL for the adaptive controller (Ziegler et al. 2019); "
-                                        "unset keeps kl_ctl fixed.", above=0)
-    kl_horizon: int = arg(10000, "Horizon of the adaptive KL controller.", low=1)
-    clip_reward_value: float = arg(5.0, "Reward scores are clipped to [-c, c].", above=0)
-    cliprange: float = arg(0.2, "Policy ratio clip.", above=0)
-    cliprange_value: float = arg(0.2, "Critic value clip.", above=0)
-    gamma: float = arg(1.0, "Discount.", low=0)
-    lam: float = arg(0.95, "GAE lambda.", low=0)
-    whiten_advantages: bool = arg(True, "Whiten advantages over the answer tokens of each experience batch.")
-    normalize_reward: bool = arg(False, "Normalise scores by the reward model's eval mean/std (from its config).")
-    missing_eos_penalty: float | None = arg(None, "Subtracted from the score of answers that never reached EOS.")
-    unsup_data: list[str] = arg(help="SFT-format data for the mixed pretraining loss (repeatable).", factory=list)
-    unsup_coef: float = arg(27.8, "Weight of the mixed pretraining loss (InstructGPT's PPO-ptx gamma).")
 
 
 @dataclass
@@ -89,37 +68,7 @@ class Experience:
                           raw_scores=torch.cat([x.raw_scores for x in parts]), **tok)
 
 
-class PPO(OnPolicy):
-    name = "ppo"
-    help = "PPO with actor, critic, reference and reward model"
-    uses = frozenset({"ppo", "critic", "critic_optim", "critic_engine", "critic_lora"})
-    output_name = "step3_rlhf"  # the default --output-dir under output/
-    demo_data = "pairwise"  # without --data: the demo corpus (its phase-3 prompts)
-
-    @staticmethod
-    def needs(cfg: Any) -> set[str]:
-        return {"reference", "critic"}
-
-    @staticmethod
-    def reward_func_names(cfg: Any) -> list[str]:
-        return list(cfg.rewards.reward_funcs) or [RM]  # the reward model unless told otherwise
-
-    @staticmethod
-    def check_config(cfg: Any) -> None:
-        if not cfg.rewards.reward_model and not cfg.critic.model:
-            raise UserError("stage 3 with --algo ppo needs --actor-model (a step-1 output) and --reward-model (a "
-                            "step-2 output), or --reward-funcs without 'rm' and a --critic-model")
-
-    @staticmethod
-    def plan(cfg: Any, prompt_batches: int) -> tuple[int, int]:
-        """``(updates per epoch, optimizer steps per update)``. The mixed pretraining loss takes its own actor
-        step after each PPO micro-batch (InstructGPT's PPO-ptx mixes the two losses into one step, as
-        DeepSpeed-Chat does; two steps keep the PPO update exactly PPO's, and weight the LM loss by its own rate)."""
-        p, o = cfg.ppo, cfg.optim
-        rows = cfg.rl.per_device_generation_batch_size * p.generation_batches
-        micro = p.ppo_epochs * math.ceil(rows / o.per_device_train_batch_size) * (2 if p.unsup_data else 1)
-        return max(1, prompt_batches // p.generation_batches), micro
-
+class PPO(OnPolicy, PPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
                  ema: ActorEMA | None, state: dict[str, Any]):
         self.cfg, self.p, self.models, self.hybrid, self.scorer = cfg, cfg.ppo, models, hybrid, scorer

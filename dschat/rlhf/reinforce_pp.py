@@ -31,26 +31,13 @@ import torch
 
 from dschat import engine as E
 from dschat import losses as L
-from dschat.rlhf.grpo import GRPO, grpo_flags
+from dschat.rlhf.grpo import GRPO
 from dschat.rlhf.rollout import Rollout
+from dschat.rlhf.specs import ReinforcePPBaselineSpec, ReinforcePPSpec
 
-PPO_FLAGS = frozenset({"ppo.kl_ctl", "ppo.gamma", "ppo.clip_reward_value"})
 
-
-class ReinforcePP(GRPO):
-    name = "reinforce_pp"
-    help = ("REINFORCE++: KL-penalised token rewards, discounted returns whitened over the global batch, PPO "
-            "clip, no critic (Hu 2025)")
-    # The KL sits in the reward (--kl-ctl), the aggregation is a token mean and no group is dropped, so GRPO's
-    # loss-side KL, loss type, reward scaling and dynamic sampling do not apply.
-    uses = grpo_flags("beta", "kl_estimator", "scale_rewards", "loss_type", "dynamic_sampling",
-                      "max_resample_rounds") | PPO_FLAGS
-    output_name = "step3_reinforce_pp"
+class ReinforcePP(GRPO, ReinforcePPSpec):
     group_baseline = False  # reinforce_pp_baseline: score minus its group's mean first
-
-    @staticmethod
-    def needs(cfg: Any) -> set[str]:
-        return {"reference"} if cfg.ppo.kl_ctl != 0.0 else set()
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -82,8 +69,5 @@ class ReinforcePP(GRPO):
         return {}  # no --loss-type: its aggregation is fixed
 
 
-class ReinforcePPBaseline(ReinforcePP):
-    name = "reinforce_pp_baseline"
-    help = "REINFORCE++ with the group mean subtracted from each score before global whitening (reasoning tasks)"
-    output_name = "step3_reinforce_pp_baseline"
+class ReinforcePPBaseline(ReinforcePP, ReinforcePPBaselineSpec):
     group_baseline = True

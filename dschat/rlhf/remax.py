@@ -8,7 +8,7 @@ greedy baseline (the paper samples one; veRL's ``compute_remax_outcome_advantage
 with ``--loss-type`` aggregation and ``--beta`` KL to the reference. Every sampled group has a gradient even when
 its rewards are equal, so dynamic sampling and ``--scale-rewards`` do not apply. The default aggregation is
 dr_grpo (sum over tokens, constant normaliser): with a baseline that is not the group mean a per-sequence mean
-biases the update by answer length (see ``default_loss_type``).
+biases the update by answer length (see ``specs.ReMaxSpec.default_loss_type``).
 """
 
 from __future__ import annotations
@@ -19,22 +19,13 @@ from typing import Any
 import torch
 
 from dschat import losses as L
-from dschat.rlhf.grpo import GRPO, grpo_flags
+from dschat.rlhf.grpo import GRPO
 from dschat.rlhf.rollout import Rollout, generate_rollout
 from dschat.rlhf.scoring import Scorer
+from dschat.rlhf.specs import ReMaxSpec
 
 
-class ReMax(GRPO):
-    name = "remax"
-    help = "ReMax: the greedy answer's reward as each prompt's baseline, no critic (Li et al. 2023)"
-    uses = grpo_flags("scale_rewards", "dynamic_sampling", "max_resample_rounds")
-    output_name = "step3_remax"
-    # The greedy baseline is not the group mean, so advantages need not sum to zero: a per-sequence token mean
-    # (grpo, gspo) then weighs a short answer's tokens more than a long one's, and a baseline far above the samples'
-    # mean pushes every answer down, short ones most (on the GRPO demo: answers grew 14 -> 24 tokens and the reward
-    # fell). REINFORCE's gradient is the sum over an answer's tokens, as dr_grpo's constant normaliser keeps it.
-    default_loss_type = "dr_grpo"
-
+class ReMax(GRPO, ReMaxSpec):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.dynamic = False  # every group has a gradient against the greedy baseline, also --loss-type dapo's

@@ -16,22 +16,14 @@ Peers: OpenRLHF ``--advantage_estimator rloo``, veRL ``compute_rloo_outcome_adva
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dschat import losses as L
-from dschat.config import arg
-from dschat.rlhf.grpo import GRPO, grpo_flags
+from dschat.rlhf.grpo import GRPO
 from dschat.rlhf.rollout import Rollout
-
-
-@dataclass
-class RLOOArgs:
-    kl_in_reward: bool = arg(False, "RLOO: fold the KL to the reference (--beta times the summed k1 estimate of each "
-                                    "answer) into its reward before the leave-one-out baseline, as TRL's and "
-                                    "OpenRLHF's RLOO do, instead of adding beta * k3 to the loss.")
+from dschat.rlhf.specs import RLOOSpec
 
 
 def kl_folded_rewards(rewards: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
@@ -41,19 +33,7 @@ def kl_folded_rewards(rewards: torch.Tensor, old: torch.Tensor, ref: torch.Tenso
     return rewards.float() - beta * ((old.float() - ref.float()) * mask).sum(-1).to(rewards.device)
 
 
-class RLOO(GRPO):
-    name = "rloo"
-    help = "RLOO: k completions per prompt, leave-one-out baseline, no critic (Ahmadian et al. 2024)"
-    uses = grpo_flags("scale_rewards") | {"rloo"}
-    output_name = "step3_rloo"
-
-    @staticmethod
-    def inert_flags(cfg: Any) -> dict[str, str]:
-        out = GRPO.inert_flags(cfg)
-        if cfg.rloo.kl_in_reward:
-            out["kl_estimator"] = "with --kl-in-reward (the reward takes the k1 estimate, as TRL's and OpenRLHF's)"
-        return out
-
+class RLOO(GRPO, RLOOSpec):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.kl_in_reward = self.cfg.rloo.kl_in_reward

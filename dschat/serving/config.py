@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dschat.config import DataArgs, ModelArgs, ServeArgs, piece
+from dschat.rewards.names import JUDGE
 from dschat.rlhf.config import RewardArgs
-from dschat.rlhf.scoring import JUDGE
 from dschat.serving.service import source_names
 
 

@@ -234,3 +234,42 @@ def test_plan_of_an_alias_takes_under_3_seconds_offline() -> None:
                         "'--zero-stage', '2'])")
     assert out.returncode == 0, out.stderr
     assert "llama-2-7b" in out.stdout and seconds < 3.0
+
+
+def test_stage3_config_and_plan_leave_the_training_stack_unloaded() -> None:
+    """Stage 3's config, its checks and its plan read the algorithms' specs (``dschat.rlhf.specs``): a fresh
+    interpreter that builds, checks and plans a stage-3 run of a built-in alias imports neither torch nor DeepSpeed
+    (which brings in mlflow) nor transformers, and ``dschat plan --step 3`` takes under 3 seconds."""
+    loaded = "print('loaded:', sorted(m for m in ('torch', 'deepspeed', 'transformers', 'mlflow') if m in sys.modules))"
+    out, _ = _run("import sys\nfrom dschat.config import build_config\nfrom dschat.planning import make_plan\n"
+                  "from dschat.rlhf.config import RLHFConfig, check_config\n"
+                  "for algo in ('ppo', 'grpo', 'rloo', 'dpo', 'online_dpo'):\n"
+                  "    cfg = build_config(RLHFConfig, {'algo': algo, 'actor_model': 'llama-2-7b', "
+                  "'reward_model': 'opt-350m'})\n"
+                  "    check_config(cfg)\n"
+                  "make_plan(3, {'actor_model': 'llama-2-7b', 'reward_model': 'opt-350m', 'actor_zero_stage': 3, "
+                  "'critic_zero_stage': 3}, num_gpus=8)\n" + loaded)
+    assert out.returncode == 0, out.stderr
+    assert "loaded: []" in out.stdout, out.stdout
+    out, seconds = _run("from dschat.cli.options import run_command\nfrom dschat.cli.main import main\n"
+                        "run_command(main, ['plan', '--step', '3', '--actor-model', 'llama-2-7b', '--reward-model', "
+                        "'opt-350m', '--num-gpus', '8', '--actor-zero-stage', '3', '--critic-zero-stage', '3'])")
+    assert out.returncode == 0, out.stderr
+    assert "verdict:" in out.stdout and seconds < 3.0
+
+
+def test_cpu_device_counts_its_fixed_cost_fp32_and_a_shared_host_memory() -> None:
+    from dschat.planning.gpus import CPU_COLLECTIVE_RESERVE, CPU_RESERVE, GPUS, MiB, find_gpu
+
+    cpu = find_gpu("cpu")
+    assert cpu.memory == GPUS["cpu"].memory > 0 and cpu.auto_dtype == "fp32"
+    one = make_plan(1, {"model": "tiny"}, gpu="CPU")
+    two = make_plan(1, {"model": "tiny"}, gpu="CPU", num_gpus=2)
+    assert one.reserve == CPU_RESERVE == 240 * MiB and two.reserve == CPU_RESERVE + CPU_COLLECTIVE_RESERVE
+    assert two.memory == cpu.memory // 2 and one.memory == cpu.memory  # two ranks on one host share its memory
+    assert one.models[0].sharding.dtype_bytes == 4  # --dtype auto is fp32 on a CPU
+    assert make_plan(1, {"model": "tiny"}).models[0].sharding.dtype_bytes == 2  # bf16 on the default A100
+    # a CPU commits only the written part of ZeRO-3's gradient bucket; a GPU allocates all of it
+    z3 = {"model": "tiny", "zero_stage": 3}
+    assert make_plan(1, z3, gpu="CPU", num_gpus=2).models[0].states.buckets < \
+        make_plan(1, {**z3, "dtype": "fp32"}, gpu="A100-80GB", num_gpus=2).models[0].states.buckets

@@ -127,9 +127,17 @@ def test_remax_short_run(tmp_path, reward_file):  # noqa: F811
     assert read_json(tmp_path / "remax" / "eval.json")["loss_type"] == "dr_grpo"
 
 
+def test_every_spec_loads_its_run_time_class():
+    """The registry maps each name to a torch-free spec; ``load()`` returns the run-time class, which inherits it."""
+    for name, spec in ALGORITHMS.items():
+        Algo = spec.load()
+        assert issubclass(Algo, spec) and Algo.name == name and Algo.load() is Algo, name
+        assert callable(Algo.step) and Algo.collator is not None and not hasattr(spec, "step"), name
+
+
 def test_loss_type_defaults_per_algorithm_and_explicit_wins():
     cfg = lambda algo, **kw: build_config(RLHFConfig, {"algo": algo, "actor_model": "tiny", **kw})  # noqa: E731
-    made = lambda algo, **kw: ALGORITHMS[algo](cfg(algo, **kw), None, None, None, None, None, None, {})  # noqa: E731
+    made = lambda algo, **kw: ALGORITHMS[algo].load()(cfg(algo, **kw), None, None, None, None, None, None, {})  # noqa: E731
     assert made("grpo").loss_type == "grpo" and made("rloo").loss_type == "grpo"
     assert made("remax").loss_type == "dr_grpo" and not made("remax").dynamic
     remax_dapo = made("remax", loss_type="dapo")  # dapo's aggregation and clip-higher, never its dynamic sampling

@@ -170,7 +170,7 @@ def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch,
     from dschat.training.stage import Interrupted
     from tests.helpers import losses
 
-    Algo = ALGORITHMS[algo]
+    Algo = ALGORITHMS[algo].load()  # the run-time class, whose step the run calls
     kw = {"max_steps": 4, "algo": algo}
     if algo == "online_dpo":
         (tmp_path / "r.py").write_text("def reward(prompts, completions, **fields):\n"
