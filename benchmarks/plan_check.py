@@ -1,21 +1,25 @@
-"""The memory plan (``dschat plan``) against the measured peak memory of real runs on this machine's CPU (fp32).
+"""The memory plan (``dschat plan --gpu CPU``) against the measured peak memory of real runs on this machine's CPU
+(fp32).
 
 For each model (the ``tiny`` preset, and a random ~110M Llama: hidden 768, 12 layers, 12 heads / 4 KV heads, MLP
 3072, the tiny tokenizer; ``benchmarks/bench_rl.py``'s ``107m`` shape), each stage (1, 2, 3 with PPO) and each
 ZeRO stage (0 on one rank; 1-3 on two ranks under the deepspeed launcher), a couple of optimizer steps run in a
 fresh process wrapped by this script: after the imports (python, torch, transformers, datasets, deepspeed, the
 stage) it resets the process's peak RSS (``/proc/self/clear_refs``) and reads its RSS, the baseline; at the end it
-reads the peak RSS (``VmHWM``). Measured = peak - baseline per rank (the largest rank), the memory the run itself
-added: model states, activations, and a fixed cost the plan does not count (data and tokenizer, DeepSpeed's and
-gloo's setup, thread arenas). The ``tiny`` run of the same stage and ZeRO stage measures that fixed cost (its
-measured figure less its plan); the ``adjusted`` column subtracts it from the larger model's measurement. The plan
-is ``make_plan`` for the same flags, ``--dtype fp32``, no reserve, and only the written part of DeepSpeed's
-gradient bucket (``whole_buckets=False``: CPU pages are committed when written). Rows are packed to
-``--max-seq-len`` in stages 1 and 2, so the runs see the token counts the plan assumes.
+reads the peak RSS (``VmHWM``), and the peak before the first model folder is written. Measured = peak - baseline
+per rank (the largest rank): model states, activations, and the fixed cost of a CPU rank (data and tokenizer,
+DeepSpeed's and gloo's setup, thread arenas), which the ``CPU`` device's reserve stands for. The plan is
+``make_plan`` for the same flags on the ``CPU`` device (its reserve, fp32, only the written part of DeepSpeed's
+gradient bucket). Rows are packed to ``--max-seq-len`` in stages 1 and 2, so the runs see the token counts the plan
+assumes.
+
+``--mmap-threshold BYTES`` fixes glibc's mmap threshold in the runs (``MALLOC_MMAP_THRESHOLD_``): by default glibc
+raises it after freeing a large block, up to 32 MiB, and blocks below it then come from heaps that keep their freed
+pages; ZeRO-3's gather and release of every layer at every step grows the resident set that way (docs/planning.md).
 
     python benchmarks/plan_check.py                 # all cases, about half an hour on 2 cores
     python benchmarks/plan_check.py --models tiny 107m --zero 0 3 --steps 1 2   # a shorter check
-    python benchmarks/plan_check.py --models tiny --zero 0 2
+    python benchmarks/plan_check.py --zero 3 --mmap-threshold 1048576
 
 Prints a markdown table (docs/planning.md, Checks).
 """
@@ -54,6 +58,15 @@ def child(step: int, folder: Path, argv: list[str]) -> None:
     import transformers  # noqa: F401
 
     module = importlib.import_module(STAGES[step])
+    before_save: list[int] = []
+    save = module.save_hf
+
+    def timed_save(*args: Any, **kwargs: Any) -> Any:  # the peak of training, before the first model folder
+        if not before_save:
+            before_save.append(_status("VmHWM"))
+        return save(*args, **kwargs)
+
+    module.save_hf = timed_save
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     baseline = _status("VmRSS")
     error = ""
@@ -62,7 +75,8 @@ def child(step: int, folder: Path, argv: list[str]) -> None:
     except BaseException as e:  # noqa: BLE001 - recorded; the parent reports it
         error = f"{type(e).__name__}: {e}"[:300]
     rank = os.environ.get("RANK", "0")
-    out = {"rank": int(rank), "baseline": baseline, "peak": _status("VmHWM"), "error": error}
+    out = {"rank": int(rank), "baseline": baseline, "peak": _status("VmHWM"), "error": error,
+           "peak_before_save": before_save[0] if before_save else None}
     (folder / f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -89,12 +103,14 @@ def argv_of(values: dict[str, Any]) -> list[str]:
     return out
 
 
-def measure(step: int, values: dict[str, Any], ranks: int, work: Path) -> dict[str, Any]:
+def measure(step: int, values: dict[str, Any], ranks: int, work: Path, mmap_threshold: int = 0) -> dict[str, Any]:
     """Run the stage (1 rank in-process under this wrapper, or N ranks under the launcher); per-rank figures."""
     from dschat.cli.train import launcher_argv
 
     folder = Path(tempfile.mkdtemp(dir=work, prefix=f"s{step}-"))
     env = {**os.environ, CHILD: f"{step}:{folder}", "HF_HUB_OFFLINE": "1"}
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     if ranks > 1:
         env["OMP_NUM_THREADS"] = "1"
         cmd = launcher_argv(os.path.abspath(__file__), argv_of(values), ranks, None, None)
@@ -122,6 +138,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["tiny", "107m"], choices=["tiny", "107m"])
     p.add_argument("--steps", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--zero", nargs="+", type=int, default=[0, 1, 2, 3])
+    p.add_argument("--mmap-threshold", type=int, default=0,
+                   help="Fix glibc's mmap threshold in the runs (bytes; 0: glibc's dynamic default).")
     p.add_argument("--work", default="", help="Folder for models and outputs (default: a temporary one).")
     p.add_argument("--json", default="", help="Also write the rows as JSON here.")
     a = p.parse_args()
@@ -130,10 +148,9 @@ def main() -> None:
     from dschat.planning.gpus import MiB
 
     rows: list[dict[str, Any]] = []
-    print("| model | step | ZeRO | ranks | baseline (imports) | measured | plan | plan / measured | fixed cost "
-          "(tiny) | adjusted measured | plan / adjusted | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    fixed: dict[tuple[int, int], int] = {}
+    print("| model | step | ZeRO | ranks | baseline (imports) | measured | measured before saving | plan | "
+          "plan / measured | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.models:
         if name == "tiny":
             model = "tiny"
@@ -152,25 +169,20 @@ def main() -> None:
                     reward = str(own if (own / "config.json").is_file() or not found else found[0].parent)
                 values = flags(step, model, zero, out, reward)
                 try:
-                    m = measure(step, values, ranks, work)
+                    m = measure(step, values, ranks, work, a.mmap_threshold)
                 except RuntimeError as e:
-                    print(f"| {name} | {step} | {zero} | {ranks} | failed: {str(e)[:200]} ||||||||", flush=True)
+                    print(f"| {name} | {step} | {zero} | {ranks} | failed: {str(e)[:200]} ||||||", flush=True)
                     continue
                 plan = planned(step, values, ranks)
                 used = max(r["peak"] - r["baseline"] for r in m["ranks"])
+                before = max((r.get("peak_before_save") or r["peak"]) - r["baseline"] for r in m["ranks"])
                 base = max(r["baseline"] for r in m["ranks"])
-                ratio = plan.peak_bytes / used
-                if name == "tiny":
-                    fixed[(step, zero)] = used - plan.peak_bytes
-                cost = fixed.get((step, zero)) if name != "tiny" else None
-                adjusted = used - cost if cost is not None else None
                 rows.append({"model": name, "step": step, "zero": zero, "ranks": ranks, "baseline": base,
-                             "measured": used, "plan": plan.peak_bytes, "fixed": cost, "adjusted": adjusted,
-                             "seconds": m["seconds"]})
-                extra = (f"{cost / MiB:.0f} MiB | {adjusted / MiB:.0f} MiB | {plan.peak_bytes / adjusted:.2f}"
-                         if adjusted else " | | ")
+                             "measured": used, "measured_before_save": before, "plan": plan.peak_bytes,
+                             "reserve": plan.reserve, "mmap_threshold": a.mmap_threshold, "seconds": m["seconds"]})
                 print(f"| {name} | {step} | {zero} | {ranks} | {base / MiB:.0f} MiB | {used / MiB:.0f} MiB | "
-                      f"{plan.peak_bytes / MiB:.0f} MiB | {ratio:.2f} | {extra} | {m['seconds']:.0f} |", flush=True)
+                      f"{before / MiB:.0f} MiB | {plan.peak_bytes / MiB:.0f} MiB | {plan.peak_bytes / used:.2f} | "
+                      f"{m['seconds']:.0f} |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
