@@ -169,9 +169,11 @@ def _kl_max(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     key = _kl_key(h)
     xs = h.values(key)
     if xs and h.steps(key)[-1] == step and xs[-1] > a.alarm_kl_max:
-        # the KL logged at a step is the policy's before that step's update: the state of that step is past it
+        # the KL logged at a step is the policy's before that step's update: the state of that step is past it.
+        # A rollback lands a window before the last state below the ceiling: one just below it crosses again at
+        # once, even at the lower rate
         since = _last_step_within(h, key, lambda v: v <= a.alarm_kl_max)
-        return key, xs[-1], a.alarm_kl_max, "KL to the reference above its ceiling", max(0, since - 1)
+        return key, xs[-1], a.alarm_kl_max, "KL to the reference above its ceiling", max(0, since - 1 - a.alarm_window)
     return None
 
 

@@ -322,27 +322,29 @@ def grpo_argv(tmp_path: Path, out: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_rollback_restores_the_state_it_names(tmp_path):
     """The KL logged at a step is the policy's before that step's update: on this run 0 at step 1, 3.0e-4 at step 2,
-    1.05e-3 at step 3. A ceiling of 6e-4 fires at step 3, so the last state below it is step 1's: the run goes back
-    there and trains on at half the rate. Step 2's figures are computed from the restored weights, RNG and prompt
-    position before any update at the new rate, so they equal an uninterrupted run's bit for bit."""
+    1.05e-3 at step 3. A ceiling of 6e-4 fires at step 3, so the last state below it is step 1's, and the rollback
+    lands a window before that (``--alarm-window 4``): on the state of step 0, saved before the first step, from
+    which the run trains on at half the rate. Step 1's figures are computed from the restored weights, RNG and
+    prompt position before any update at the new rate, so they equal an uninterrupted run's bit for bit."""
     from tests.helpers import read_json, read_jsonl, run_cli
 
     plain, out = tmp_path / "plain", tmp_path / "run"
     proc = run_cli(*grpo_argv(tmp_path, plain), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(*grpo_argv(tmp_path, out, "--alarm-kl-max", "6e-4", "--on-alarm", "rollback",
-                              "--max-rollbacks", "2"), timeout=600)
+                              "--max-rollbacks", "2", "--alarm-window", "4"), timeout=600)
     assert proc.returncode in (0, 4), proc.stderr[-3000:]
     alarms = [json.loads(x) for x in (out / "health.jsonl").read_text().splitlines()]
     first = alarms[0]
-    assert (first["step"], first["check"], first["action"], first["since"]) == (3, "kl_ceiling", "rollback", 1)
-    assert "rolled back to" in proc.stderr and "step-00000001: learning rates x0.5" in proc.stderr
-    assert sorted(p.name for p in (out / "checkpoints" / "rolled-back-1").iterdir()) == ["step-00000002"]
+    assert (first["step"], first["check"], first["action"], first["since"]) == (3, "kl_ceiling", "rollback", 0)
+    assert "rolled back to" in proc.stderr and "step-00000000: learning rates x0.5" in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints" / "rolled-back-1").iterdir()) == ["step-00000001",
+                                                                                        "step-00000002"]
 
     def train_row(folder, step):
         return next(r for r in read_jsonl(folder / "metrics.jsonl") if r["step"] == step and "train/kl" in r)
 
-    for step in (1, 2):  # the restored state, bit for bit
+    for step in (1,):  # the restored state, bit for bit
         a, b = train_row(plain, step), train_row(out, step)
         assert {k: v for k, v in a.items() if not k.startswith("time")} == \
             {k: v for k, v in b.items() if not k.startswith("time")}
@@ -408,9 +410,10 @@ def test_a_resumed_monitor_has_the_history_and_quiet_windows_of_the_run(tmp_path
     assert after == [x for x in fired if x[0] > 20] and ("kl_growth" in [c for _, c in after])
 
 
-def test_a_kl_ceiling_rollback_lands_before_the_crossing(tmp_path):
-    m = monitor(tmp_path)
-    for i, kl in enumerate([0.2, 0.5, 0.9, 1.05, 1.1, 1.2], start=1):
+def test_a_kl_ceiling_rollback_lands_a_window_before_the_crossing(tmp_path):
+    m = monitor(tmp_path)  # --alarm-window 20
+    for i, kl in enumerate([0.01 * i for i in range(30)] + [0.9, 1.05, 1.1, 1.2], start=1):
         m.observe(i, {"train/kl": kl})
-    # crossed at step 4 (measured before step 4's update): the state of step 2 is the last one below the ceiling
-    assert [(a.step, a.check, a.since) for a in m.pending] == [(4, "kl_ceiling", 2)]
+    # crossed at step 32 (measured before step 32's update): the state of step 30 is the last one below the ceiling,
+    # and one just below it would cross again at once; the rollback lands a window (20 steps) before it
+    assert [(a.step, a.check, a.since) for a in m.pending] == [(32, "kl_ceiling", 10)]
