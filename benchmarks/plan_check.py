@@ -61,12 +61,12 @@ def child(step: int, folder: Path, argv: list[str]) -> None:
     before_save: list[int] = []
     save = module.save_hf
 
-    def timed_save(*args: Any, **kwargs: Any) -> Any:  # the peak of training, before the first model folder
+    def save_after_reading_peak(*args: Any, **kwargs: Any) -> Any:  # training's peak, before the first folder
         if not before_save:
             before_save.append(_status("VmHWM"))
         return save(*args, **kwargs)
 
-    module.save_hf = timed_save
+    module.save_hf = save_after_reading_peak
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     baseline = _status("VmRSS")
     error = ""

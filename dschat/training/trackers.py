@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from dschat.config import report_sinks
 from dschat.errors import UserError
+from dschat.utils import write_json
 
 PROJECT = "dschat"  # the W&B project, MLflow experiment and Trackio project (each library's env vars override it)
 EXTERNAL = ("wandb", "mlflow", "trackio")
@@ -287,8 +288,8 @@ def open_sinks(report_to: str, output_dir: Path, run_name: str, config: dict[str
                 raise UserError(missing(name, e)) from None
             except Exception as e:  # noqa: BLE001 - the library's own error, as one line
                 raise UserError(f"--report-to {name}: could not start a run: {first_line(e)}") from None
-    if any(name in EXTERNAL for name in report_sinks(report_to)):
-        (output_dir / RUN_IDS).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
+    if any(sink.name in EXTERNAL for sink in sinks):
+        write_json(output_dir / RUN_IDS, ids)
     return sinks
 
 
