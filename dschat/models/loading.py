@@ -23,6 +23,7 @@ from torch import nn
 
 from dschat.errors import UserError
 from dschat.models.aliases import ALIASES, FAMILY_ALIASES  # noqa: F401 (FAMILY_ALIASES: re-exported)
+from dschat.models.folders import local_model_folder
 from dschat.models.lora import apply_lora
 from dschat.models.reward_model import RewardModel
 from dschat.models.tiny import TOKENIZER_MODEL_PATH, save_tiny_tokenizer, tiny_model_config
@@ -100,13 +101,9 @@ def resolve_model(name: str) -> str:
     """A local folder for ``--model``: folder, alias, HF cache, or the ``tiny`` preset."""
     if name == TINY:
         return str(tiny_model_dir())
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise UserError(f"{path}: not a model folder (no config.json)")
+    path = local_model_folder(name)  # the planner's rule too
+    if path is not None:
         return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise UserError(f"{name}: model folder not found")
     repo = ALIASES.get(name.lower(), name)
     from huggingface_hub import snapshot_download
 

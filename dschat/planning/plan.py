@@ -45,6 +45,8 @@ DECODE_BANDWIDTH = 0.60
 SUGGESTED_LORA_DIM = 128
 MAX_GPUS_PER_NODE = 8
 MAX_NODES = 64
+# Queries per generate call of a generative judge reward (``dschat.rewards.judge.load_judge_reward``).
+JUDGE_BATCH = 32
 
 
 @dataclass
@@ -363,7 +365,7 @@ def _stage2(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
 
 
 def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> Any:
-    from dschat.rewards.names import RM
+    from dschat.rewards.names import JUDGE, RM
 
     d, dname = _dtype_bytes(cfg.model.dtype, dev)
     needs = cfg.algorithm.needs(cfg)
@@ -400,20 +402,27 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
                         frozen=True)
         models.append(reward)
 
+    judge = None
+    if JUDGE in cfg.reward_func_names():  # a plain frozen module, a whole copy on every rank (rewards.judge)
+        if not cfg.rewards.judge_model:
+            raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
+        judge = _model("judge", cfg.rewards.judge_model, "lm", Sharding(0, ranks, False, d), frozen=True)
+        models.append(judge)
+
     if eng.enable_ema:  # an fp32 average of each rank's share of the actor's weights (dschat.rlhf.ema)
         share = math.ceil(4 * actor.params / ranks)
         models.append(ModelPlan("actor EMA", cfg.actor.model, actor.shape, "lm", actor.params, 0,
                                 Sharding(actor_z, ranks, False, 4), ModelStates(share, 0, 0, 0, 0), actor.source))
 
     rl, o = cfg.rl, cfg.optim
-    algo = rl.algo
-    per_prompt = cfg.grpo.num_generations if "grpo" in cfg.algorithm.uses else (2 if algo == "online_dpo" else 1)
-    gen_rows = rl.per_device_generation_batch_size * per_prompt
+    algo, spec = rl.algo, cfg.algorithm
+    # what one step samples, runs without gradient and trains on: the algorithm's spec answers (dschat.rlhf.specs)
+    gen_rows = spec.generation_rows(cfg)
+    generates = gen_rows > 0
     prompt, answer = cfg.data.max_prompt_seq_len, rl.max_answer_seq_len
     seq = prompt + answer
     b = o.per_device_train_batch_size
     phases: list[Phase] = []
-    generates = algo != "dpo"
     if generates:
         gen = Phase("generate")
         if actor.sharding.stage == 3 or actor.sharding.offload:
@@ -423,13 +432,25 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
         gen.items.append(("actor", "prefill", inference_activations(actor.shape, gen_rows, prompt, d,
                                                                     out_tokens=gen_rows)))
         phases.append(gen)
-    exp_rows = gen_rows if generates else 2 * rl.per_device_generation_batch_size
-    forwards = [(m.role, inference_activations(m.shape, exp_rows, seq, d, out_tokens=exp_rows * answer, head=m.head))
-                for m in models if m.role in ("reference", "reward", "critic") or (m.role == "actor" and not generates)]
+    by_role = {m.role: m for m in models}
+    forwards = []
+    for role, n in spec.experience_forwards(cfg):
+        m = by_role.get(role)
+        if m is None:
+            continue
+        if role == "judge":  # it generates its verdicts: a KV cache over the question, both answers and the verdict
+            rows_j = min(n, JUDGE_BATCH)
+            width = prompt + 2 * answer + cfg.rewards.judge_max_new_tokens
+            forwards.append((role, f"verdicts of {rows_j} rows", kv_cache_bytes(m.shape, rows_j, width, d) +
+                             inference_activations(m.shape, rows_j, width, d, out_tokens=rows_j)))
+            continue
+        out = n * answer if m.head == "lm" else None
+        forwards.append((role, f"forward of {n} rows",
+                         inference_activations(m.shape, n, seq, d, out_tokens=out, head=m.head)))
     if forwards:
-        role, worst = max(forwards, key=lambda x: x[1])
-        phases.append(Phase("experience", [(role, f"forward of {exp_rows} rows", worst)]))
-    train_rows = b if algo != "dpo" else 2 * b
+        role, what, worst = max(forwards, key=lambda x: x[2])
+        phases.append(Phase("experience", [(role, what, worst)]))
+    train_rows = spec.train_rows(cfg)
     agc = cfg.actor.gradient_checkpointing
     phases.append(Phase("train actor", [("actor", "activations" + (" (checkpointed)" if agc else ""),
                                          training_activations(actor.shape, train_rows, seq, d, checkpointing=agc,
@@ -444,7 +465,7 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
 
     # time of one update per GPU
     _, micro = cfg.algorithm.plan(cfg, 1)
-    passes = micro * b / max(1, gen_rows if generates else exp_rows)  # training passes over each experience row
+    rows_trained = micro * train_rows  # the update's micro-batches
     parts: dict[str, float] = {}
     notes = [f"{TRAIN_MFU:.0%} MFU in training", f"{FORWARD_MFU:.0%} in forwards and prefill",
              f"decoding at {DECODE_BANDWIDTH:.0%} of {fmt_rate(dev.bandwidth, 'B/s')} (weights + KV cache read per "
@@ -457,19 +478,24 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
         step_flops = _forward_flops(actor, gen_rows, prompt + answer // 2)
         decode = answer * max(step_bytes / (dev.bandwidth * DECODE_BANDWIDTH), step_flops / (dev.flops * FORWARD_MFU))
         parts["generate"] = batches * (prefill + decode)
-    fwd = sum(_forward_flops(m, exp_rows * seq, seq) for m in models if m.role != "actor" or generates)
+    if generates:
+        fwd = sum(_forward_flops(by_role[r], n * seq, seq) for r, n in spec.experience_forwards(cfg) if r in by_role)
+    else:  # offline pairs: the reference's log-probs, computed once per pair (the evaluation's forwards aside)
+        fwd = _forward_flops(ref, rows_trained * seq, seq) if ref is not None else 0.0
+        batches = 1
     parts["experience"] = batches * fwd / (dev.flops * FORWARD_MFU)
-    rows_trained = batches * exp_rows * passes
     train = _train_flops(actor, int(rows_trained * seq), seq, agc)
     if critic is not None:
         train += _train_flops(critic, int(rows_trained * seq), seq, cgc)
     parts["train"] = train / (dev.flops * TRAIN_MFU)
     seconds = sum(parts.values())
     flops = train + fwd * batches
-    prompts_per_update = rl.per_device_generation_batch_size * batches * ranks
+    prompts_per_update = spec.batch_size(cfg) * batches * ranks  # dataset rows: prompts, or DPO's pairs
     steps = _steps(cfg, rows, 3, prompts_per_update)
-    tp = Throughput(flops, seconds, steps, parts, int(batches * exp_rows * seq), notes)
+    tokens = batches * gen_rows * seq if generates else rows_trained * seq
+    tp = Throughput(flops, seconds, steps, parts, int(tokens), notes)
     settings = {"dtype": dname, "micro_batch": b, "seq_len": seq, "algo": algo, "generation_rows": gen_rows,
+                "sampled_per_prompt": spec.sampled_per_prompt(cfg),
                 "prompt_len": prompt, "answer_len": answer, "actor_zero_stage": actor_z, "critic_zero_stage": critic_z,
                 "offload": eng.offload, "ranks": ranks}
     return models, phases, tp, settings

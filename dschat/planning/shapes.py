@@ -1,7 +1,7 @@
 """Model shapes and parameter counts from a model's config alone: no weights, no torch, no transformers.
 
-``model_shape(name)`` reads the ``config.json`` of a local folder (a stage output folder stands for its
-``model/`` or ``actor/``), of a model in the HF cache, or of the built-in table ``KNOWN_CONFIGS`` (the fields that
+``model_shape(name)`` reads the ``config.json`` of a local model folder (``dschat.models.folders``: the
+folders training accepts), of a model in the HF cache, or of the built-in table ``KNOWN_CONFIGS`` (the fields that
 shape each alias's model, copied from its published ``config.json``), so every alias of ``dschat.models.loading``
 plans offline. ``tiny`` is the preset of ``dschat.models.tiny``.
 """
@@ -246,16 +246,15 @@ def _hf_cache_config(repo: str) -> Path | None:
 
 
 def model_config(name: str) -> tuple[dict[str, Any], str]:
-    """``(config fields, where they came from)`` for ``--model``-style ``name``: a local folder (or a stage output
-    folder's ``model/``/``actor/``), ``tiny``, an alias or HF id in the cache, else the built-in table."""
+    """``(config fields, where they came from)`` for ``--model``-style ``name``: ``tiny``, a local model folder
+    (as training resolves it), an alias or HF id in the cache, else the built-in table."""
     if name == "tiny":
         return tiny_config(), "tiny preset"
-    path = Path(name).expanduser()
-    if path.is_dir():
-        for sub in ("", "model", "actor"):
-            if (path / sub / "config.json").is_file():
-                return _read_json(path / sub / "config.json"), str(path / sub)
-        raise UserError(f"{path}: not a model folder (no config.json)")
+    from dschat.models.folders import local_model_folder
+
+    path = local_model_folder(name)  # the loader's rule: what training refuses, the plan refuses
+    if path is not None:
+        return _read_json(path / "config.json"), str(path)
     repo = alias_repos().get(name.lower(), name)
     cached = _hf_cache_config(repo)
     if cached is not None:

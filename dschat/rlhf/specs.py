@@ -146,6 +146,15 @@ def no_reference(cfg: Any) -> dict[str, str]:
     return {n: "with --dpo-loss-type simpo (no reference)" for n in ("reference_zero_stage", "offload_reference_model")}
 
 
+def scoring_forwards(cfg: Any, rows: int) -> list[tuple[str, int]]:
+    """The scoring forwards over ``rows`` answers: the reward model (``rm``) and a generative judge (``judge``,
+    each answer judged in both orders)."""
+    from dschat.rewards.names import JUDGE
+
+    names = cfg.reward_func_names()
+    return ([("reward", rows)] if RM in names else []) + ([("judge", 2 * rows)] if JUDGE in names else [])
+
+
 # ------------------------------------------------------------------------------------------------------ specs
 class AlgorithmSpec:
     """The config-time part of an algorithm (the contract: ``dschat.rlhf.algorithms``). ``runtime`` names its
@@ -163,6 +172,30 @@ class AlgorithmSpec:
     def load(cls) -> type[Any]:
         module, _, attr = cls.runtime.partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    # What a training step holds in memory, for ``dschat plan`` (``dschat.planning.plan``): per rank, from the flags
+    # alone, as the run-time class's ``step()`` does it. Rows count sequences of prompt + answer.
+    @staticmethod
+    def sampled_per_prompt(cfg: Any) -> int:
+        """Answers a training step samples per prompt (0: it samples none)."""
+        return 0
+
+    @staticmethod
+    def generation_rows(cfg: Any) -> int:
+        """Rows of the step's largest single generation call (0: no generation in training)."""
+        return 0
+
+    @staticmethod
+    def experience_forwards(cfg: Any) -> list[tuple[str, int]]:
+        """``(role, rows)`` of the forwards without gradient over a step's rows, one at a time: ``actor`` (old
+        log-probs), ``reference``, ``critic`` (old values), ``reward`` (the reward model), ``judge`` (a generative
+        judge, its completions)."""
+        return []
+
+    @staticmethod
+    def train_rows(cfg: Any) -> int:
+        """Sequences in one training micro-batch."""
+        return int(cfg.optim.per_device_train_batch_size)
 
 
 class OnPolicySpec(AlgorithmSpec):
@@ -215,6 +248,21 @@ class PPOSpec(OnPolicySpec):
         micro = p.ppo_epochs * math.ceil(rows / o.per_device_train_batch_size) * (2 if p.unsup_data else 1)
         return max(1, prompt_batches // p.generation_batches), micro
 
+    @staticmethod
+    def sampled_per_prompt(cfg: Any) -> int:
+        return 1
+
+    @staticmethod
+    def generation_rows(cfg: Any) -> int:
+        """One generation per generation batch (``make_experience``), each of ``--per-device-generation-batch-size``
+        prompts."""
+        return int(cfg.rl.per_device_generation_batch_size)
+
+    @staticmethod
+    def experience_forwards(cfg: Any) -> list[tuple[str, int]]:
+        rows = PPOSpec.generation_rows(cfg)
+        return [("actor", rows), ("reference", rows), ("critic", rows), *scoring_forwards(cfg, rows)]
+
 
 class GRPOSpec(OnPolicySpec):
     name = "grpo"
@@ -249,6 +297,23 @@ class GRPOSpec(OnPolicySpec):
         prompt with G completions, mu passes."""
         rows = cfg.rl.per_device_generation_batch_size * cfg.grpo.num_generations
         return prompt_batches, cfg.grpo.num_iterations * math.ceil(rows / cfg.optim.per_device_train_batch_size)
+
+    @classmethod
+    def sampled_per_prompt(cls, cfg: Any) -> int:
+        return int(cfg.grpo.num_generations)
+
+    @staticmethod
+    def generation_rows(cfg: Any) -> int:
+        """The G completions of every prompt of a batch, in one call (``repeat_prompts``). Dynamic sampling's
+        refills are further calls of the same size."""
+        return int(cfg.rl.per_device_generation_batch_size * cfg.grpo.num_generations)
+
+    @classmethod
+    def experience_forwards(cls, cfg: Any) -> list[tuple[str, int]]:
+        """Old log-probs (when the sampling pass gave none), the reference's (with a KL), the scores."""
+        rows = cls.generation_rows(cfg)
+        ref = [("reference", rows)] if "reference" in cls.needs(cfg) else []
+        return [("actor", rows), *ref, *scoring_forwards(cfg, rows)]
 
 
 class RLOOSpec(GRPOSpec):
@@ -300,6 +365,10 @@ class ReMaxSpec(GRPOSpec):
     # fell). REINFORCE's gradient is the sum over an answer's tokens, as dr_grpo's constant normaliser keeps it.
     default_loss_type = "dr_grpo"
     runtime = "dschat.rlhf.remax:ReMax"
+
+    @classmethod
+    def sampled_per_prompt(cls, cfg: Any) -> int:
+        return int(cfg.grpo.num_generations) + 1  # and the greedy answer of the baseline, in a call of its own
 
 
 class DPOSpec(AlgorithmSpec):
@@ -355,6 +424,17 @@ class DPOSpec(AlgorithmSpec):
         """One batch of pairs per update (``batch_size``), in ``--gradient-accumulation-steps`` micro-batches."""
         return pair_batches, int(cfg.optim.gradient_accumulation_steps)
 
+    @staticmethod
+    def experience_forwards(cfg: Any) -> list[tuple[str, int]]:
+        """The reference's log-probs of every pair, once, and the held-out pairs' evaluation (actor and reference):
+        both in batches of ``--per-device-eval-batch-size`` pairs, chosen and rejected rows together."""
+        rows = 2 * int(cfg.optim.per_device_eval_batch_size)
+        return [("actor", rows)] + ([("reference", rows)] if "reference" in DPOSpec.needs(cfg) else [])
+
+    @staticmethod
+    def train_rows(cfg: Any) -> int:
+        return 2 * int(cfg.optim.per_device_train_batch_size)  # a micro-batch's chosen and rejected rows
+
 
 class OnlineDPOSpec(OnPolicySpec):
     name = "online_dpo"
@@ -390,4 +470,23 @@ class OnlineDPOSpec(OnPolicySpec):
         ``--per-device-train-batch-size`` pairs (ties make some updates shorter)."""
         return prompt_batches, math.ceil(cfg.rl.per_device_generation_batch_size
                                          / cfg.optim.per_device_train_batch_size)
+
+    @staticmethod
+    def sampled_per_prompt(cfg: Any) -> int:
+        return int(cfg.grpo.num_generations)
+
+    @staticmethod
+    def generation_rows(cfg: Any) -> int:
+        return int(cfg.rl.per_device_generation_batch_size * cfg.grpo.num_generations)
+
+    @staticmethod
+    def experience_forwards(cfg: Any) -> list[tuple[str, int]]:
+        """The scores of every sample, then the reference over at most one pair per prompt (``make_pairs``)."""
+        rows, pairs = OnlineDPOSpec.generation_rows(cfg), 2 * int(cfg.rl.per_device_generation_batch_size)
+        ref = [("reference", pairs)] if "reference" in OnlineDPOSpec.needs(cfg) else []
+        return [*scoring_forwards(cfg, rows), *ref]
+
+    @staticmethod
+    def train_rows(cfg: Any) -> int:
+        return 2 * int(cfg.optim.per_device_train_batch_size)  # a micro-batch's chosen and rejected rows
 

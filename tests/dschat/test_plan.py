@@ -273,3 +273,77 @@ def test_cpu_device_counts_its_fixed_cost_fp32_and_a_shared_host_memory() -> Non
     z3 = {"model": "tiny", "zero_stage": 3}
     assert make_plan(1, z3, gpu="CPU", num_gpus=2).models[0].states.buckets < \
         make_plan(1, {**z3, "dtype": "fp32"}, gpu="A100-80GB", num_gpus=2).models[0].states.buckets
+
+
+# Llama-2-7B's KV cache: 32 layers x 2 (K, V) x 32 heads x 128 x 2 bytes = 524,288 bytes (0.5 MiB) per token.
+LLAMA7_KV_PER_TOKEN = 32 * 2 * 32 * 128 * 2
+
+
+@pytest.mark.parametrize(("algo", "per_prompt", "gen_rows"), [
+    ("ppo", 1, 8), ("grpo", 8, 64), ("rloo", 8, 64), ("reinforce_pp", 8, 64), ("reinforce_pp_baseline", 8, 64),
+    ("remax", 9, 64), ("online_dpo", 8, 64), ("dpo", 0, 0),
+])
+def test_stage3_plans_the_rows_each_algorithm_samples(algo: str, per_prompt: int, gen_rows: int) -> None:
+    values: dict = {"algo": algo, "actor_model": "llama-2-7b", "max_prompt_seq_len": 128, "max_answer_seq_len": 256}
+    if algo == "ppo":
+        values["reward_model"] = "llama-2-7b"
+    elif algo != "dpo":
+        values["num_generations"] = 8
+    if algo != "dpo":
+        values["per_device_generation_batch_size"] = 8
+    plan = make_plan(3, values, suggest=False)
+    assert plan.settings["sampled_per_prompt"] == per_prompt and plan.settings["generation_rows"] == gen_rows
+    phases = {p.name: p for p in plan.phases}
+    if gen_rows:
+        kv = {w: b for _, w, b in phases["generate"].items}[f"KV cache {gen_rows} x 384 tokens"]
+        assert kv == gen_rows * 384 * LLAMA7_KV_PER_TOKEN  # 64 rows: 12 GiB; 8 rows: 1.5 GiB
+    else:
+        assert "generate" not in phases
+
+
+def test_dpo_reference_forward_is_sized_by_the_eval_batch() -> None:
+    base = {"algo": "dpo", "actor_model": "llama-2-7b", "max_prompt_seq_len": 128, "max_answer_seq_len": 256,
+            "per_device_train_batch_size": 2}
+    for eval_batch in (2, 8):
+        plan = make_plan(3, {**base, "per_device_eval_batch_size": eval_batch}, suggest=False)
+        (_, what, _), = {p.name: p for p in plan.phases}["experience"].items
+        assert what == f"forward of {2 * eval_batch} rows"  # the chosen and rejected row of each pair
+    # a training micro-batch holds both rows of each of its 2 pairs
+    train = {p.name: p for p in plan.phases}["train actor"].items[0][2]
+    from dschat.planning.memory import training_activations
+    shape = plan.models[0].shape
+    assert train == training_activations(shape, 4, 384, 2, checkpointing=False, loss_tokens=4 * 256)
+
+
+def test_a_judge_reward_is_in_the_plan() -> None:
+    values = {"algo": "grpo", "actor_model": "qwen2.5-0.5b", "reward_funcs": ["judge"], "judge_model": "llama-2-7b",
+              "num_generations": 4, "per_device_generation_batch_size": 4, "max_prompt_seq_len": 64,
+              "max_answer_seq_len": 64, "judge_max_new_tokens": 32}
+    plan = make_plan(3, values, suggest=False)
+    judge = next(m for m in plan.models if m.role == "judge")
+    assert judge.states.weights == 2 * model_shape("llama-2-7b").params()  # a whole bf16 copy on the rank
+    (role, what, nbytes), = {p.name: p for p in plan.phases}["experience"].items
+    # 16 answers judged in both orders: 32 queries, one generate call of 32 rows over 64 + 2 x 64 + 32 tokens
+    assert (role, what) == ("judge", "verdicts of 32 rows")
+    assert nbytes > 32 * 224 * LLAMA7_KV_PER_TOKEN
+    without = make_plan(3, {**values, "reward_funcs": ["format"], "judge_model": ""}, suggest=False)
+    assert plan.peak_bytes - without.peak_bytes >= judge.states.weights
+
+
+def test_plan_refuses_the_model_folders_training_refuses(tmp_path: Path) -> None:
+    from dschat.errors import UserError
+    from dschat.models.folders import local_model_folder
+
+    run = tmp_path / "step1"  # a stage's output folder: the model is in model/
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                           "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                           "intermediate_size": 128, "vocab_size": 100}))
+    for name, error in ((str(run), "not a model folder .*pass .*model"), ("./no/such/folder", "not found"),
+                        (str(tmp_path / "missing"), "not found")):
+        with pytest.raises(UserError, match=error):
+            local_model_folder(name)
+        with pytest.raises(UserError, match=error):
+            make_plan(1, {"model": name}, suggest=False)
+    assert make_plan(1, {"model": str(run / "model")}, suggest=False).models[0].params == \
+        model_shape(str(run / "model")).params()
