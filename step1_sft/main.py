@@ -21,22 +21,25 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dschat import engine as E
 from dschat.cli.options import run_command, stage_command
 from dschat.config import SFTConfig
-from dschat.data import DataCollatorSFT
-from dschat.data.packing import real_tokens, sft_inputs
-from dschat.demo import demo_data
-from dschat.evaluation.lm import evaluate_perplexity
-from dschat.models.loading import create_causal_lm
-from dschat.models.logits import causal_lm_loss
-from dschat.training.checkpoint import save_hf
-from dschat.training.distill import Distiller
-from dschat.training.one_model import OneModelStage, train_one_model
-from dschat.training.tracking import write_eval
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
+    # The training stack (torch, DeepSpeed, transformers) is imported by the run, not by the module: declaring the
+    # flags (``--help``, ``dschat plan``, ``dschat doctor``) needs none of it.
+    from dschat import engine as E
+    from dschat.data import DataCollatorSFT
+    from dschat.data.packing import real_tokens, sft_inputs
+    from dschat.demo import demo_data
+    from dschat.evaluation.lm import evaluate_perplexity
+    from dschat.models.loading import create_causal_lm
+    from dschat.models.logits import causal_lm_loss
+    from dschat.training.checkpoint import save_hf
+    from dschat.training.distill import Distiller
+    from dschat.training.one_model import OneModelStage, train_one_model
+    from dschat.training.tracking import write_eval
+
     distiller = Distiller(cfg.kd, cfg.engine, cfg.model.trust_remote_code) if cfg.kd.teacher_model else None
 
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:

@@ -14,32 +14,26 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-
-from dschat import engine as E
 from dschat.cli.options import run_command, stage_command
 from dschat.config import RewardConfig
-from dschat.data import DataCollatorReward
-from dschat.demo import demo_data
-from dschat.evaluation.reward_model import evaluate_reward, stats_sample
-from dschat.losses import pairwise_metrics
-from dschat.models.loading import create_reward_model
-from dschat.models.reward_model import is_reward_checkpoint
-from dschat.training.checkpoint import save_hf
-from dschat.training.one_model import OneModelStage, train_one_model
-from dschat.training.reward import reward_loss, reward_values
-from dschat.training.stage import eval_loader
-from dschat.training.tracking import write_eval
+
+if TYPE_CHECKING:
+    import torch
 
 EVAL_KEYS = ("accuracy", "chosen_score", "rejected_score", "margin")
 
 
 def make_model(cfg: RewardConfig, path: str, dtype: torch.dtype, tokenizer: Any) -> torch.nn.Module:
+    import torch
+
+    from dschat.models.loading import create_reward_model
+    from dschat.models.reward_model import is_reward_checkpoint
+
     model = create_reward_model(path, dtype, cfg.model.dropout, cfg.model.gradient_checkpointing,
                                 pad_token_id=tokenizer.pad_token_id, trust_remote_code=cfg.model.trust_remote_code,
                                 lora=cfg.lora)
@@ -52,6 +46,19 @@ def make_model(cfg: RewardConfig, path: str, dtype: torch.dtype, tokenizer: Any)
 
 
 def run(cfg: RewardConfig) -> dict[str, Any]:
+    # The training stack (torch, DeepSpeed, transformers) is imported by the run, not by the module: declaring the
+    # flags (``--help``, ``dschat plan``, ``dschat doctor``) needs none of it.
+    from dschat import engine as E
+    from dschat.data import DataCollatorReward
+    from dschat.demo import demo_data
+    from dschat.evaluation.reward_model import evaluate_reward, stats_sample
+    from dschat.losses import pairwise_metrics
+    from dschat.training.checkpoint import save_hf
+    from dschat.training.one_model import OneModelStage, train_one_model
+    from dschat.training.reward import reward_loss, reward_values
+    from dschat.training.stage import eval_loader
+    from dschat.training.tracking import write_eval
+
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
         values = reward_values(engine, batch)  # (2B, T), packed (--packing) or not
         out = reward_loss(values, batch, cfg.reward.rm_loss, cfg.reward.rm_center_coef)

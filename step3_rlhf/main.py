@@ -14,34 +14,41 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-
-from dschat import engine as E
 from dschat.cli.options import run_command, stage_command
-from dschat.data import load_phase
-from dschat.demo import demo_data
-from dschat.errors import UserError
-from dschat.evaluation.policy import eval_scalars, source_summary, summarize
-from dschat.generation.decode import GenerationConfig
-from dschat.generation.hybrid_engine import make_hybrid_engine
-from dschat.models.loading import load_tokenizer, resolve_model
-from dschat.rewards.remote import RewardServerDown, is_remote
-from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
-from dschat.rlhf.ema import ActorEMA
-from dschat.rlhf.engines import build_models
-from dschat.rlhf.scoring import RM, build_scorer
-from dschat.training.checkpoint import save_hf
-from dschat.training.health import Context, HealthMonitor
-from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, eval_loader, training_loader
-from dschat.training.tracking import RunTracker, write_eval
+from dschat.rlhf.config import RLHFConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def run(cfg: RLHFConfig) -> dict[str, Any]:
+    # The training stack (torch, DeepSpeed, transformers) is imported by the run, not by the module: declaring the
+    # flags (``--help``, ``dschat plan``, ``dschat doctor``) needs none of it.
+    import torch
+
+    from dschat import engine as E
+    from dschat.data import load_phase
+    from dschat.demo import demo_data
+    from dschat.errors import UserError
+    from dschat.evaluation.policy import eval_scalars, source_summary, summarize
+    from dschat.generation.decode import GenerationConfig
+    from dschat.generation.hybrid_engine import make_hybrid_engine
+    from dschat.models.loading import load_tokenizer, resolve_model
+    from dschat.rewards.remote import RewardServerDown, is_remote
+    from dschat.rlhf.config import check_config, check_reward_data
+    from dschat.rlhf.ema import ActorEMA
+    from dschat.rlhf.engines import build_models
+    from dschat.rlhf.scoring import RM, build_scorer
+    from dschat.training.checkpoint import save_hf
+    from dschat.training.health import Context, HealthMonitor
+    from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, eval_loader, training_loader
+    from dschat.training.tracking import RunTracker, write_eval
+
     check_config(cfg)
     Algo, d, o, rl = cfg.algorithm.load(), cfg.data, cfg.optim, cfg.rl  # the run-time class of --algo
     stage = begin_stage(cfg, "step3_rlhf", f"output/{Algo.output_name}")
@@ -104,7 +111,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     def fields() -> dict[str, Any]:  # what a state holds besides the engines
         return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
-                "before": before, "health": health.state()}
+                "before": before}
 
     def tensors_now() -> dict[str, torch.Tensor]:
         return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}

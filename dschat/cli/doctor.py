@@ -70,12 +70,12 @@ def doctor_command(step: int | None, hostfile: str | None, master_port: int | No
         except (click.UsageError, UserError) as e:
             findings = [Finding("flags", ERROR, e.format_message() if isinstance(e, click.UsageError) else str(e))]
         else:
-            from dschat.cli.train import stage_module
+            from dschat.demo import demo_data
 
             # Without --data the stage trains on its main's default (the demo corpus); the doctor reads the same.
             findings = run_doctor(step, values, hostfile=hostfile, master_port=master_port, num_gpus=num_gpus,
                                   nodes=nodes, gpu_memory=memory, gpu=gpu,
-                                  default_data=stage_module(step).demo_data)
+                                  default_data=demo_data)
     if as_json:
         click.echo(json.dumps([dataclasses.asdict(f) for f in findings], ensure_ascii=False, indent=1))
     else:

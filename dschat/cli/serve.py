@@ -4,7 +4,8 @@
     dschat train --step 3 --algo grpo ... --reward-funcs http://127.0.0.1:8000/score
 
 Registered on the ``dschat`` group by ``dschat.cli.main``. The flags are ``ServeConfig``'s (``dschat.serving.config``),
-declared once with the stages'; FastAPI and uvicorn (the ``serve`` extra) are imported when the command runs.
+declared once with the stages'; FastAPI, uvicorn (the ``serve`` extra) and torch are imported when the command
+runs, so its help needs neither.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ HELP = ("Serve a reward model (--reward-model), a generative judge (--judge-mode
 
 
 def _config() -> type:
-    from dschat.serving.server import require_serve_extra
-
-    require_serve_extra()  # before the flags are even parsed: one line, exit 2
-    from dschat.serving.config import ServeConfig
+    from dschat.serving.config import ServeConfig  # light: --help lists the flags without the extra or torch
 
     return ServeConfig
 
@@ -30,7 +28,7 @@ def _config() -> type:
 def _run(cfg: Any) -> None:
     from dschat.serving.server import serve
 
-    serve(cfg)
+    serve(cfg)  # without the extra: one line, exit 2, before anything loads
 
 
 serve_command = stage_command("serve", _config, _run, help=HELP)

@@ -37,6 +37,7 @@ from typing import Any
 
 from dschat.config import DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
+from dschat.rewards.names import JUDGE, RM
 from dschat.rlhf.config import (
     RewardArgs,
     RLArgs,
@@ -45,8 +46,6 @@ from dschat.rlhf.config import (
     reward_settings_inert,
     vllm_inert,
 )
-from dschat.rlhf.rollout import completion_texts, generate_rollout, repeat_prompts
-from dschat.rlhf.scoring import JUDGE, RM
 
 KEEP = ("all", "best", "pairs")
 # What a partial output was sampled from beside the flags, as a changed-settings error names it.
@@ -386,6 +385,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     from dschat.generation.hybrid_engine import make_hybrid_engine
     from dschat.models.loading import load_tokenizer, resolve_saved_model
     from dschat.rlhf.engines import frozen_models, reward_model_path
+    from dschat.rlhf.rollout import completion_texts, generate_rollout, repeat_prompts
     from dschat.rlhf.scoring import build_scorer
     from dschat.training.stage import to_device
     from dschat.utils import progress_bar

@@ -1,6 +1,6 @@
 """``dschat serve``'s flags: its own (``dschat.config.ServeArgs``) and the reward sources' declarations it shares
-with stage 3 (``RewardArgs``), so a flag is declared once. Imports stage 3's config (torch): the command loads it
-when it runs."""
+with stage 3 (``RewardArgs``), so a flag is declared once. Light to import (the sources' checks load the scoring
+stack when they run), so ``dschat serve --help`` lists the flags without torch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from dschat.config import DataArgs, ModelArgs, ServeArgs, piece
 from dschat.rewards.names import JUDGE
 from dschat.rlhf.config import RewardArgs
-from dschat.serving.service import source_names
 
 
 @dataclass
@@ -27,6 +26,8 @@ class ServeConfig:
     data: DataArgs = piece(DataArgs, only=("judge_system_prompt",))
 
     def reward_func_names(self) -> list[str]:
+        from dschat.serving.service import source_names  # imports torch: not needed to declare the flags
+
         r = self.rewards
         return source_names(r.reward_model, r.judge_model, list(r.reward_funcs))
 
