@@ -280,22 +280,46 @@ def build_train_engine(model: torch.nn.Module, *, engine: EngineArgs, optim: Opt
 
 # The gradient norm of each optimizer step of each engine, until read (``take_grad_norms``).
 _GRAD_NORMS: dict[int, list[float]] = {}
+# The norm ZeRO 0 in float32 computed while clipping this step (``_keep_clip_norm``), by engine.
+_CLIP_NORMS: dict[int, float] = {}
+
+
+def _keep_clip_norm(engine: Any) -> None:
+    """ZeRO 0 in float32 clips in ``engine.clip_fp32_gradients``, which drops the norm it computed: clip the same
+    way (DeepSpeed's ``clip_grad_norm_``, the same call and arguments) and keep that norm, so an optimizer step
+    computes the gradients' norm once, for the clipping and the logs alike."""
+    if getattr(engine, "_dschat_keeps_clip_norm", False):
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_fp32_gradients() -> None:
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        _CLIP_NORMS[id(engine)] = float(norm)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+    engine._dschat_keeps_clip_norm = True
 
 
 def optimizer_step(engine: Any) -> None:
     """``engine.step()``, recording the gradient norm of each optimizer step (not the steps inside an accumulation
-    window): DeepSpeed's own figure where its optimizer computes one (ZeRO 1-3, bf16/fp16), else the norm of the
-    averaged gradients just before the step (ZeRO 0 in float32, where DeepSpeed keeps none)."""
+    window): DeepSpeed's own figure where its optimizer computes one (ZeRO 1-3, bf16/fp16); on ZeRO 0 in float32,
+    where DeepSpeed keeps none, the norm its clipping computed (``--max-grad-norm``), else the norm of the averaged
+    gradients just before the step."""
     own = None
     if engine.is_gradient_accumulation_boundary() and not hasattr(engine.optimizer, "_global_grad_norm"):
-        norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in engine.module.parameters()
-                 if p.grad is not None]
-        own = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else None
+        if engine.gradient_clipping() > 0:
+            _keep_clip_norm(engine)
+        else:
+            norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in engine.module.parameters()
+                     if p.grad is not None]
+            own = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else None
     before = engine.global_steps
     engine.step()
+    clipped = _CLIP_NORMS.pop(id(engine), None)
     if engine.global_steps != before:
         norm = engine.get_global_grad_norm()
-        norm = own if norm is None else float(norm)
+        norm = (clipped if clipped is not None else own) if norm is None else float(norm)
         if norm is not None:
             _GRAD_NORMS.setdefault(id(engine), []).append(norm)
 
