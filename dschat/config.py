@@ -25,7 +25,7 @@ from dschat.errors import UserError
 
 # --generation-backend: what samples (dschat.generation.backends)
 BACKENDS = ("auto", "vllm", "dschat", "compiled", "hf")
-# --report-to: where the metrics go (dschat.training.tracking, dschat.training.trackers)
+# --report-to: where the metrics go (dschat.training.run_tracker, dschat.training.sinks)
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "mlflow", "trackio")
 
 
@@ -255,10 +255,10 @@ class HealthArgs:
     alarm_score_drift: float = arg(20.0, "Stage 2: the mean of the chosen and rejected scores (their common level, "
                                          "which the pairwise loss leaves free) drifting past +-this.", low=0)
     # stage 3
-    alarm_kl_max: float = arg(1.0, "KL to the reference per answer token (nats) above this.", low=0)
+    alarm_kl_ceiling: float = arg(1.0, "KL to the reference per answer token (nats) above this.", low=0)
     alarm_kl_growth: float = arg(20.0, "KL per token growing by this factor between the two halves of the window "
                                        "(checked once it exceeds 0.05 nats).", low=0)
-    alarm_entropy_min: float = arg(0.02, "Policy entropy per answer token (nats; the sampled tokens' negative "
+    alarm_entropy_floor: float = arg(0.02, "Policy entropy per answer token (nats; the sampled tokens' negative "
                                          "log-probability) below this.", low=0)
     alarm_entropy_drop: float = arg(0.9, "Policy entropy fallen by this fraction of its baseline.", low=0, high=1)
     alarm_length_pinned: float = arg(0.95, "Answer length pinned at this fraction of --max-answer-seq-len (from a "
@@ -285,8 +285,8 @@ class HealthArgs:
 HEALTH_COMMON = ("on_alarm", "alarm_window", "alarm_grad_spike", "rollback_lr_scale", "max_rollbacks")
 HEALTH_STAGE2 = ("alarm_overfit", "alarm_score_drift")
 # the stage-3 checks that watch sampled answers (offline DPO has none)
-SAMPLING_ALARMS = ("alarm_kl_max", "alarm_kl_growth", "alarm_entropy_min", "alarm_entropy_drop", "alarm_length_pinned",
-                   "alarm_eos_drop", "alarm_hacking_z", "alarm_clip_frac")
+SAMPLING_ALARMS = ("alarm_kl_ceiling", "alarm_kl_growth", "alarm_entropy_floor", "alarm_entropy_drop",
+                   "alarm_length_pinned", "alarm_eos_drop", "alarm_hacking_z", "alarm_clip_frac")
 
 
 @dataclass

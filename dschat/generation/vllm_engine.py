@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from dschat.config import FULL_TOLERANCE, HALF_TOLERANCE, VLLMArgs
-from dschat.errors import UserError
+from dschat.errors import UserError, stop_hung_process
 from dschat.generation.decode import Generated
 
 PROBE_TOKENS, PROBE_SEED = 8, 1234
@@ -192,9 +191,7 @@ class _Watchdog:
         self.timer: threading.Timer | None = None
 
     def _fire(self) -> None:
-        print(f"error: {self.what} did not finish within {self.seconds:g} s (--sync-timeout); stopping",
-              file=sys.stderr, flush=True)
-        os._exit(3)
+        stop_hung_process(f"{self.what} did not finish within {self.seconds:g} s (--sync-timeout); stopping")
 
     def __enter__(self) -> _Watchdog:
         self.timer = threading.Timer(self.seconds, self._fire)

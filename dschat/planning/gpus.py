@@ -19,8 +19,21 @@ GiB = 1024**3
 MiB = 1024**2
 
 
-# A GPU's fixed cost per process: the CUDA context, NCCL's buffers and the caching allocator's slack.
-GPU_RESERVE = int(1.5 * GiB)
+# A GPU's fixed cost per process, term by term (docs/planning.md, "On a GPU": typical and configured sizes; not yet
+# measured against a GPU):
+# the CUDA context with torch's kernels loaded lazily (CUDA_MODULE_LOADING=LAZY, torch's default);
+CUDA_CONTEXT = 500 * MiB
+# cuBLAS's and cuBLASLt's workspaces on the compute stream (torch's default CUBLAS_WORKSPACE_CONFIG on Hopper,
+# :4096:8, is 32 MiB; cuBLASLt takes as much);
+CUBLAS_WORKSPACES = 2 * 32 * MiB
+# cuDNN's handle and attention workspace (torch's cuDNN SDPA backend): no configured size, a nominal figure;
+CUDNN_WORKSPACE = 32 * MiB
+# with more than one rank, NCCL's buffers of the one data-parallel communicator: NCCL_BUFFSIZE (4 MiB) for sending
+# and for receiving, to each of a ring's two neighbours, on each of up to 32 channels.
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_CHANNELS = 32
+NCCL_BUFFERS = NCCL_BUFFSIZE * 2 * 2 * NCCL_CHANNELS
+GPU_RESERVE = CUDA_CONTEXT + CUBLAS_WORKSPACES + CUDNN_WORKSPACE
 # A CPU rank's, beyond its imports: the data and tokenizer, DeepSpeed's setup and per-thread allocator arenas
 # (~240 MiB measured on one rank), plus gloo's process group and buffers with more than one rank (~55 MiB).
 CPU_RESERVE = 240 * MiB
@@ -35,11 +48,22 @@ class GPU:
     bandwidth: float  # bytes/s
     auto_dtype: str = "bf16"  # what ``--dtype auto`` means on it
     reserve: int = GPU_RESERVE  # fixed bytes per process beside the model's
-    collective_reserve: int = 0  # more of them when the run has more than one rank
+    collective_reserve: int = NCCL_BUFFERS  # more of them when the run has more than one rank
     host: bool = False  # the host's cores and RAM: its ranks share ``memory``, and pages count once written
 
     def reserve_for(self, ranks: int) -> int:
-        return self.reserve + (self.collective_reserve if ranks > 1 else 0)
+        return sum(b for _, b in self.reserve_items(ranks))
+
+    def reserve_items(self, ranks: int) -> list[tuple[str, int]]:
+        """The fixed cost per process, ``(what, bytes)`` term by term."""
+        if self.host:
+            items = [("process (data, tokenizer, DeepSpeed set-up, allocator arenas)", self.reserve)]
+            return items + ([("gloo process group", self.collective_reserve)] if ranks > 1 else [])
+        items = [("CUDA context", CUDA_CONTEXT), ("cuBLAS/cuBLASLt workspaces", CUBLAS_WORKSPACES),
+                 ("cuDNN workspace", CUDNN_WORKSPACE)]
+        if self.reserve != GPU_RESERVE:  # a device whose fixed cost was given whole
+            items = [("fixed cost", self.reserve)]
+        return items + ([("NCCL buffers", self.collective_reserve)] if ranks > 1 else [])
 
     def memory_per_rank(self, ranks_per_node: int) -> int:
         return self.memory // ranks_per_node if self.host else self.memory

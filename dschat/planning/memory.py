@@ -56,6 +56,9 @@ ZERO3_OPTIMIZER_BYTES = 14
 REDUCE_BUCKET = 500_000_000
 # torch AdamW on fp32 weights without ZeRO: m and v only (it steps the weights in place).
 FP32_ADAM_BYTES = 8
+# ZeRO-3's stage3_prefetch_bucket_size in dschat's DeepSpeed config (elements): parameters gathered ahead of the
+# module that needs them (``dschat.engine.ds_config``).
+PREFETCH_BUCKET = 30_000_000
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,15 @@ def gradient_bucket_bytes(trainable: int, z: Sharding, *, whole: bool = True) ->
     if z.stage >= 2:
         return (REDUCE_BUCKET if whole else used) * z.dtype_bytes
     return (REDUCE_BUCKET - used) * z.dtype_bytes if whole else 0
+
+
+def prefetch_bytes(params: int, largest: int, z: Sharding) -> int:
+    """ZeRO-3's prefetch during a forward or backward: the next modules' parameters gathered ahead, up to
+    DeepSpeed's ``stage3_prefetch_bucket_size`` (``PREFETCH_BUCKET`` elements), beyond the live module that
+    ``model_states`` counts; never more than the rest of the model."""
+    if z.stage != 3:
+        return 0
+    return min(PREFETCH_BUCKET, max(0, params - largest)) * z.dtype_bytes
 
 
 def frozen_weights(params: int, largest: int, z: Sharding) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from dschat.planning.memory import (
     kv_cache_bytes,
     lora_params,
     model_states,
+    prefetch_bytes,
     training_activations,
 )
 from dschat.planning.shapes import ModelShape, model_config, shape_from_config
@@ -45,6 +46,9 @@ DECODE_BANDWIDTH = 0.60
 SUGGESTED_LORA_DIM = 128
 MAX_GPUS_PER_NODE = 8
 MAX_NODES = 64
+# The caching allocator's reserve over what tensors use, as a share of the largest phase's transient bytes (a
+# GPU only; docs/planning.md, "On a GPU": a model, not yet measured).
+ALLOCATOR_SLACK = 0.25
 # Queries per generate call of a generative judge reward (``dschat.rewards.judge.load_judge_reward``).
 JUDGE_BATCH = 32
 
@@ -125,13 +129,15 @@ class Plan:
     settings: dict[str, Any]
     suggestion: str | None = None
     suggested_flags: dict[str, Any] = field(default_factory=dict)
+    allocator: int = 0  # the caching allocator's reserve over allocation, in every phase (a GPU only)
+    reserve_items: list[tuple[str, int]] = field(default_factory=list)  # ``reserve`` term by term
 
     @property
     def resident(self) -> int:
         return sum(m.states.total for m in self.models)
 
     def phase_total(self, phase: Phase) -> int:
-        return self.resident + phase.transient + self.reserve
+        return self.resident + phase.transient + self.reserve + self.allocator
 
     @property
     def peak_phase(self) -> Phase:
@@ -168,13 +174,16 @@ class Plan:
         lines += _grid(head, rows)
         lines.append("")
         peak = self.peak_phase
-        head = ["phase", "resident", "transient (what)", "reserve", "total per GPU"]
+        head = ["phase", "resident", "transient (what)", "reserve", "allocator", "total per GPU"]
         rows = []
         for p in self.phases:
             what = "; ".join(f"{role} {w} {fmt_bytes(b)}" for role, w, b in p.items) or "-"
             rows.append([p.name + (" (peak)" if p is peak else ""), fmt_bytes(self.resident), what,
-                         fmt_bytes(self.reserve), fmt_bytes(self.phase_total(p))])
+                         fmt_bytes(self.reserve), fmt_bytes(self.allocator), fmt_bytes(self.phase_total(p))])
         lines += _grid(head, rows)
+        lines.append("reserve: " + "; ".join(f"{w} {fmt_bytes(b)}" for w, b in self.reserve_items) +
+                     (f"; allocator: {ALLOCATOR_SLACK:.0%} of the largest phase's transient bytes" if self.allocator
+                      else ""))
         lines.append("")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"verdict: {verdict}: peak {fmt_bytes(self.peak_bytes)} ({peak.name}) of "
@@ -199,6 +208,8 @@ class Plan:
         return {
             "fits": self.fits, "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase.name,
             "memory_bytes": self.memory, "reserve_bytes": self.reserve, "step": self.step,
+            "reserve_items": [{"what": w, "bytes": b} for w, b in self.reserve_items],
+            "allocator_bytes": self.allocator,
             "gpu": dataclasses.asdict(self.gpu), "num_gpus": self.num_gpus, "nodes": self.nodes,
             "settings": self.settings, "models": [m.to_json() for m in self.models],
             "phases": [{"phase": p.name, "resident_bytes": self.resident, "transient_bytes": p.transient,
@@ -255,7 +266,10 @@ def make_plan(step: int, values: dict[str, Any], *, num_gpus: int = 1, nodes: in
     saved = [m for m in models if m.trainable or m.role == "actor EMA"]
     checkpoint = sum(m.params * models[0].sharding.dtype_bytes for m in saved)
     state = sum(m.params * m.sharding.dtype_bytes + 12 * m.trainable for m in models if m.trainable)
-    plan = Plan(step, dev, num_gpus, nodes, memory, reserve, models, phases, throughput, checkpoint, state, settings)
+    items = dev.reserve_items(ranks) if reserve_bytes is None else [("fixed cost", reserve_bytes)]
+    allocator = 0 if dev.host else math.ceil(ALLOCATOR_SLACK * max(p.transient for p in phases))
+    plan = Plan(step, dev, num_gpus, nodes, memory, reserve, models, phases, throughput, checkpoint, state, settings,
+                allocator=allocator, reserve_items=items)
     if suggest and not plan.fits:
         plan.suggestion, plan.suggested_flags = _suggest(step, dict(values), num_gpus, nodes, memory, dev, reserve)
     return plan
@@ -297,6 +311,12 @@ def _bucket(m: ModelPlan, whole: bool) -> list[tuple[str, str, int]]:
     return [(m.role, "gradient bucket", gradient_bucket_bytes(m.trainable, m.sharding, whole=whole))]
 
 
+def _prefetch(m: ModelPlan) -> list[tuple[str, str, int]]:
+    """ZeRO-3's prefetched parameters while ``m`` runs a forward or backward (a phase item)."""
+    b = prefetch_bytes(m.params, m.shape.largest_module_params(m.head), m.sharding)
+    return [(m.role, "ZeRO-3 prefetch", b)] if b else []
+
+
 def _train_flops(m: ModelPlan, tokens: int, seq: int, checkpointing: bool) -> float:
     """FLOPs of a training pass over ``tokens`` tokens: 2P forward, 2P backward through the activations, 2P for
     the weight gradients (only the trainable ones), another 2P forward with checkpointing; attention adds
@@ -334,7 +354,8 @@ def _one_model(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool, *,
     b, s, gc = cfg.optim.per_device_train_batch_size, cfg.data.max_seq_len, cfg.model.gradient_checkpointing
     batch_rows = 2 * b if pair else b  # stage 2: chosen and rejected in one batch
     act = training_activations(m.shape, batch_rows, s, d, checkpointing=gc, head=head)
-    train = Phase("train", [(role, "activations" + (" (checkpointed)" if gc else ""), act), *_bucket(m, whole)])
+    train = Phase("train", [(role, "activations" + (" (checkpointed)" if gc else ""), act), *_bucket(m, whole),
+                            *_prefetch(m)])
     models = [m]
     teacher = getattr(getattr(cfg, "kd", None), "teacher_model", "")
     flops_teacher = 0.0
@@ -441,27 +462,26 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
         if role == "judge":  # it generates its verdicts: a KV cache over the question, both answers and the verdict
             rows_j = min(n, JUDGE_BATCH)
             width = prompt + 2 * answer + cfg.rewards.judge_max_new_tokens
-            forwards.append((role, f"verdicts of {rows_j} rows", kv_cache_bytes(m.shape, rows_j, width, d) +
-                             inference_activations(m.shape, rows_j, width, d, out_tokens=rows_j)))
+            forwards.append([(role, f"verdicts of {rows_j} rows", kv_cache_bytes(m.shape, rows_j, width, d) +
+                              inference_activations(m.shape, rows_j, width, d, out_tokens=rows_j))])
             continue
         out = n * answer if m.head == "lm" else None
-        forwards.append((role, f"forward of {n} rows",
-                         inference_activations(m.shape, n, seq, d, out_tokens=out, head=m.head)))
-    if forwards:
-        role, what, worst = max(forwards, key=lambda x: x[2])
-        phases.append(Phase("experience", [(role, what, worst)]))
+        forwards.append([(role, f"forward of {n} rows",
+                          inference_activations(m.shape, n, seq, d, out_tokens=out, head=m.head)), *_prefetch(m)])
+    if forwards:  # one after another: the largest counts
+        phases.append(Phase("experience", max(forwards, key=lambda items: sum(b for _, _, b in items))))
     train_rows = spec.train_rows(cfg)
     agc = cfg.actor.gradient_checkpointing
     phases.append(Phase("train actor", [("actor", "activations" + (" (checkpointed)" if agc else ""),
                                          training_activations(actor.shape, train_rows, seq, d, checkpointing=agc,
                                                               loss_tokens=train_rows * answer)),
-                                        *_bucket(actor, whole)]))
+                                        *_bucket(actor, whole), *_prefetch(actor)]))
     cgc = cfg.critic.gradient_checkpointing
     if critic is not None:
         phases.append(Phase("train critic", [("critic", "activations" + (" (checkpointed)" if cgc else ""),
                                               training_activations(critic.shape, train_rows, seq, d,
                                                                    checkpointing=cgc, head="value")),
-                                             *_bucket(critic, whole)]))
+                                             *_bucket(critic, whole), *_prefetch(critic)]))
 
     # time of one update per GPU
     _, micro = cfg.algorithm.plan(cfg, 1)

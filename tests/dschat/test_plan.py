@@ -347,3 +347,33 @@ def test_plan_refuses_the_model_folders_training_refuses(tmp_path: Path) -> None
             make_plan(1, {"model": name}, suggest=False)
     assert make_plan(1, {"model": str(run / "model")}, suggest=False).models[0].params == \
         model_shape(str(run / "model")).params()
+
+
+def test_gpu_plan_counts_each_fixed_term_prefetch_and_the_allocator() -> None:
+    from dschat.planning.gpus import (
+        CUBLAS_WORKSPACES,
+        CUDA_CONTEXT,
+        CUDNN_WORKSPACE,
+        NCCL_BUFFERS,
+        MiB,
+    )
+    from dschat.planning.memory import PREFETCH_BUCKET
+    from dschat.planning.plan import ALLOCATOR_SLACK
+
+    # 500 MiB context + 2 x 32 MiB cuBLAS/cuBLASLt + 32 MiB cuDNN; NCCL: 4 MiB x 2 directions x 2 neighbours x 32
+    # channels = 512 MiB, with more than one rank only
+    assert CUDA_CONTEXT + CUBLAS_WORKSPACES + CUDNN_WORKSPACE == 596 * MiB and NCCL_BUFFERS == 512 * MiB
+    one = make_plan(1, {"model": "llama-2-7b", "zero_stage": 3}, gpu="H200", suggest=False)
+    two = make_plan(1, {"model": "llama-2-7b", "zero_stage": 3}, gpu="H200", num_gpus=2, suggest=False)
+    assert one.reserve == 596 * MiB and two.reserve == (596 + 512) * MiB
+    assert [w for w, _ in two.reserve_items] == ["CUDA context", "cuBLAS/cuBLASLt workspaces", "cuDNN workspace",
+                                                 "NCCL buffers"]
+    train = {w: b for _, w, b in one.phases[0].items}
+    assert train["ZeRO-3 prefetch"] == PREFETCH_BUCKET * 2  # 3e7 bf16 elements: 57.2 MiB
+    assert ALLOCATOR_SLACK == 0.25 and one.allocator == -(-one.phases[0].transient // 4)  # a quarter, rounded up
+    assert one.peak_bytes == one.resident + one.phases[0].transient + one.reserve + one.allocator
+    # the CPU device keeps its measured reserve and has no caching allocator
+    cpu = make_plan(1, {"model": "tiny", "zero_stage": 3}, gpu="CPU", num_gpus=2, suggest=False)
+    assert cpu.allocator == 0 and [w for w, _ in cpu.reserve_items][-1] == "gloo process group"
+    data = one.to_json()
+    assert data["allocator_bytes"] == one.allocator and sum(i["bytes"] for i in data["reserve_items"]) == one.reserve
