@@ -38,7 +38,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     from dschat.training.checkpoint import save_hf
     from dschat.training.distill import Distiller
     from dschat.training.one_model import OneModelStage, train_one_model
-    from dschat.training.tracking import write_eval
+    from dschat.training.run_tracker import write_eval
 
     distiller = Distiller(cfg.kd, cfg.engine, cfg.model.trust_remote_code) if cfg.kd.teacher_model else None
 

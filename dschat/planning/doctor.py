@@ -127,7 +127,7 @@ def _check_flags(step: int, values: dict[str, Any], report: Report) -> Any:
             from dschat.rlhf.config import check_config
 
             check_config(cfg)
-        from dschat.training.trackers import tracker_problem
+        from dschat.training.sinks import tracker_problem
 
         problem = tracker_problem(cfg.run.report_to, output_folder(step, cfg))
         if problem:

@@ -87,6 +87,13 @@ class History:
     def steps(self, key: str) -> list[int]:
         return [s for s, _ in self.series.get(key, [])]
 
+    def state_dict(self) -> dict[str, list[list[float]]]:
+        """Every series as ``[[step, value], ...]`` (JSON; a non-finite value stays as JSON's NaN/Infinity)."""
+        return {k: [[s, v] for s, v in series] for k, series in self.series.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.series = {str(k): [(int(s), float(v)) for s, v in series] for k, series in state.items()}
+
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
@@ -165,15 +172,16 @@ def _last_step_within(h: History, key: str, ok: Callable[[float], bool]) -> int:
     return next((s for s, v in reversed(h.series.get(key, [])) if ok(v)), 0)
 
 
-def _kl_max(step: int, h: History, a: HealthArgs, c: Context) -> Any:
+def _kl_ceiling(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     key = _kl_key(h)
     xs = h.values(key)
-    if xs and h.steps(key)[-1] == step and xs[-1] > a.alarm_kl_max:
+    if xs and h.steps(key)[-1] == step and xs[-1] > a.alarm_kl_ceiling:
         # the KL logged at a step is the policy's before that step's update: the state of that step is past it.
         # A rollback lands a window before the last state below the ceiling: one just below it crosses again at
         # once, even at the lower rate
-        since = _last_step_within(h, key, lambda v: v <= a.alarm_kl_max)
-        return key, xs[-1], a.alarm_kl_max, "KL to the reference above its ceiling", max(0, since - 1 - a.alarm_window)
+        since = _last_step_within(h, key, lambda v: v <= a.alarm_kl_ceiling)
+        return key, xs[-1], a.alarm_kl_ceiling, "KL to the reference above its ceiling", \
+            max(0, since - 1 - a.alarm_window)
     return None
 
 
@@ -196,11 +204,11 @@ def _baseline(xs: list[float], window: int) -> float | None:
     return _mean(xs[:h]) if len(xs) >= 2 * h else None
 
 
-def _entropy_min(step: int, h: History, a: HealthArgs, c: Context) -> Any:
+def _entropy_floor(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     xs = h.values("train/entropy")
-    if len(xs) >= a.alarm_window // 2 and _mean(xs[-(a.alarm_window // 2):]) < a.alarm_entropy_min:
+    if len(xs) >= a.alarm_window // 2 and _mean(xs[-(a.alarm_window // 2):]) < a.alarm_entropy_floor:
         now = _mean(xs[-(a.alarm_window // 2):])
-        return "train/entropy", now, a.alarm_entropy_min, "policy entropy collapsed below its floor", \
+        return "train/entropy", now, a.alarm_entropy_floor, "policy entropy collapsed below its floor", \
             _window_start(h, "train/entropy", a.alarm_window)
     return None
 
@@ -383,16 +391,16 @@ CHECKS = (
     Check("grad_spike", "alarm_grad_spike", _grad_spike),
     Check("overfit", "alarm_overfit", _overfit, (2,)),
     Check("score_drift", "alarm_score_drift", _score_drift, (2,)),
-    Check("kl_ceiling", "alarm_kl_max", _kl_max, (3,)),
+    Check("kl_ceiling", "alarm_kl_ceiling", _kl_ceiling, (3,)),
     Check("kl_growth", "alarm_kl_growth", _kl_growth, (3,)),
-    Check("entropy_floor", "alarm_entropy_min", _entropy_min, (3,)),
+    Check("entropy_floor", "alarm_entropy_floor", _entropy_floor, (3,)),
     Check("entropy_drop", "alarm_entropy_drop", _entropy_drop, (3,)),
     Check("length_pinned", "alarm_length_pinned", _length_pinned, (3,)),
-    Check("eos_collapse", "alarm_eos_drop", _eos_drop, (3,)),
+    Check("eos_drop", "alarm_eos_drop", _eos_drop, (3,)),
     Check("reward_hacking", "alarm_hacking_z", _reward_hacking, (3,)),
     Check("source_divergence", "alarm_hacking_z", _source_divergence, (3,)),
     Check("rm_range", "alarm_rm_sigma", _rm_range, (3,)),
-    Check("value_divergence", "alarm_value_growth", _value_growth, (3,)),
+    Check("value_growth", "alarm_value_growth", _value_growth, (3,)),
     Check("clip_pinned", "alarm_clip_frac", _clip_pinned, (3,)),
 )
 
@@ -412,13 +420,29 @@ class Rollback(Exception):
         self.state, self.lr_scale, self.rollbacks = state, lr_scale, rollbacks
 
 
-# Carried from a Rollback into the run that follows it in the same process (set by the stage command).
-_RESTART: dict[str, Any] = {}
+RESTART = "rollback.json"  # in checkpoints/: the state a rollback made latest, and the scale and count after it
 
 
-def restart_after(rollback: Rollback) -> None:
-    _RESTART.clear()
-    _RESTART.update(lr_scale=rollback.lr_scale, rollbacks=rollback.rollbacks, state=str(rollback.state))
+def write_restart(output_dir: Path, rollback: Rollback) -> None:
+    """The rollback's decision beside the states it rearranged: the run that resumes ``rollback.state`` next (in
+    this process or a later ``--resume``) trains on with these learning rates and this rollback count."""
+    from dschat.training.resume import checkpoint_root
+
+    atomic_write_text(checkpoint_root(output_dir) / RESTART, json.dumps(
+        {"state": rollback.state.name, "lr_scale": rollback.lr_scale, "rollbacks": rollback.rollbacks}) + "\n")
+
+
+def read_restart(output_dir: Path, resumed: Path | None) -> dict[str, Any] | None:
+    """The decision ``write_restart`` left for the state ``resumed``, or None (no rollback led to that state)."""
+    from dschat.training.resume import checkpoint_root
+
+    if resumed is None:
+        return None
+    try:
+        decision = json.loads((checkpoint_root(output_dir) / RESTART).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return decision if isinstance(decision, dict) and decision.get("state") == Path(resumed).name else None
 
 
 class HealthMonitor:
@@ -439,39 +463,37 @@ class HealthMonitor:
         self.lr_scale, self.rollbacks = 1.0, 0
 
     # ------------------------------------------------------------------ state kept in training states
-    def state(self) -> dict[str, Any]:
-        return {"lr_scale": self.lr_scale, "rollbacks": self.rollbacks}
+    def state_dict(self) -> dict[str, Any]:
+        """What a training state keeps of the monitor (JSON): the rollback count and learning-rate scale, every
+        figure it has observed (the trend checks' windows and baselines) and each check's quiet window."""
+        return {"lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "history": self.history.state_dict(),
+                "quiet_until": dict(self.quiet_until)}
 
-    def resume(self, state: dict[str, Any] | None, engines: dict[str, Any]) -> None:
-        """After the loop restored a state: take its rollback count and scale, or what a rollback in this process
-        carried over, scaling the restored engines' learning rates to match; reload the alarms fired so far."""
-        saved = (state or {}).get("health") or {}
-        self.lr_scale, self.rollbacks = float(saved.get("lr_scale", 1.0)), int(saved.get("rollbacks", 0))
-        if _RESTART:
-            target = float(_RESTART["lr_scale"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr_scale, self.rollbacks = float(state.get("lr_scale", 1.0)), int(state.get("rollbacks", 0))
+        self.history.load_state_dict(state.get("history") or {})
+        self.quiet_until = {str(k): int(v) for k, v in (state.get("quiet_until") or {}).items()}
+
+    def resume(self, state: dict[str, Any] | None, engines: dict[str, Any], resumed: Path | None = None) -> None:
+        """After the loop restored the state ``resumed`` (``state`` its trainer fields): the monitor as it was
+        when that state was saved; when a rollback made it latest (``read_restart``), the scale and count that
+        rollback decided, the restored engines' learning rates scaled to match. The alarms fired so far (every
+        one of the run, those of rolled-back steps too) are reloaded from ``health.jsonl`` for ``eval.json``."""
+        self.load_state_dict((state or {}).get("health") or {})
+        restart = read_restart(self.dir, resumed) if E.is_main() else None
+        restart = E.broadcast_object(restart) if E.world_size() > 1 else restart
+        if restart:
+            target = float(restart["lr_scale"])
             scale_learning_rates(engines, target / self.lr_scale)
-            self.lr_scale, self.rollbacks = target, int(_RESTART["rollbacks"])
-            self.log(f"rolled back to {_RESTART['state']}: learning rates x{target:g} from here "
+            self.lr_scale, self.rollbacks = target, int(restart["rollbacks"])
+            self.log(f"rolled back to {restart['state']}: learning rates x{target:g} from here "
                      f"(rollback {self.rollbacks} of {self.args.max_rollbacks})")
-            _RESTART.clear()
-        # the history up to the restored step (metrics.jsonl was cut there), so the trend checks' windows and
-        # baselines are those an uninterrupted run would have
-        step = int((state or {}).get("step", 0))
-        metrics = self.dir / "metrics.jsonl"
-        if step and metrics.exists():
-            for row in read_jsonl_rows(metrics)[0]:
-                if row.get("step", 0) <= step:
-                    self.history.add(int(row.pop("step", 0)), {k: v for k, v in row.items() if k != "time"})
         path = self.dir / "health.jsonl"
         for record in read_jsonl_rows(path)[0] if path.exists() else []:
             try:
-                alarm = Alarm(**record)
+                self.alarms.append(Alarm(**record))
             except TypeError:
                 continue
-            self.alarms.append(alarm)
-            if alarm.step <= step:  # quiet for its window, as it was in the run that fired it
-                self.quiet_until[alarm.check] = max(self.quiet_until.get(alarm.check, -1),
-                                                    alarm.step + self.args.alarm_window)
 
     # ------------------------------------------------------------------ checks
     def observe(self, step: int, row: dict[str, Any]) -> list[Alarm]:
@@ -503,10 +525,10 @@ class HealthMonitor:
         action = self.args.on_alarm
         if any(a.check == "nonfinite" for a in pending) and action in ("warn", "save"):
             action = "stop"
-        if final and action != "rollback":
-            action = "warn"
         if action == "rollback" and self.rollbacks >= self.args.max_rollbacks:
             action = "stop"
+        if final and action != "rollback":  # a finished run keeps its outputs: its final alarms only warn
+            action = "warn"
         for a in pending:
             a.action = action
             self._record(a)
@@ -542,10 +564,12 @@ class HealthMonitor:
             raise HealthStop(f"health alarm '{pending[0].check}' at step {pending[0].step} asks for a rollback, "
                              f"but no training state was saved at or before step {since} (save one more often with "
                              f"--save-interval); {where}")
+        rollback = Rollback(target, self.lr_scale * self.args.rollback_lr_scale, self.rollbacks + 1)
         if E.is_main():
-            move_newer_states(self.dir, target, self.rollbacks + 1)
+            move_newer_states(self.dir, target, rollback.rollbacks)
+            write_restart(self.dir, rollback)
         E.barrier()
-        raise Rollback(target, self.lr_scale * self.args.rollback_lr_scale, self.rollbacks + 1)
+        raise rollback
 
     def summary(self) -> list[dict[str, Any]]:
         """The run's alarms for ``eval.json``."""

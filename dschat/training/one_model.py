@@ -30,7 +30,7 @@ from dschat.training.stage import (
     plan_steps,
     training_loader,
 )
-from dschat.training.tracking import RunTracker
+from dschat.training.run_tracker import RunTracker
 
 
 @dataclass
@@ -121,7 +121,7 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     health = HealthMonitor(cfg.health, spec.phase, stage.output_dir, log=stage.log, tracker=tracker)
     loop.watch(health)
     loop.extras = {"before": before, "first_loss": state.get("first_loss", float("nan")),
-                   "last_loss": state.get("last_loss", float("nan")), "health": health.state()}
+                   "last_loss": state.get("last_loss", float("nan"))}
     if before and loop.resumed_from is None:
         health.observe(0, eval_scalars(before))
     window: dict[str, float] = {}  # summed over the micro-batches of one optimizer step

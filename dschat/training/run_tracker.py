@@ -1,8 +1,9 @@
-"""Run outputs shared by every stage: args.json, metrics.jsonl, the trackers of ``--report-to`` (TensorBoard, W&B,
-MLflow, Trackio: ``dschat.training.trackers``), eval.json, a progress bar."""
+"""The run's tracker, shared by every stage: metrics.jsonl, the sinks of ``--report-to`` (TensorBoard, W&B, MLflow,
+Trackio: ``dschat.training.sinks``), eval.json, a progress bar."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from dschat.config import RunArgs
-from dschat.training.trackers import Sink, open_sinks
+from dschat.errors import ExitCode, first_line
+from dschat.training.sinks import RefusedKeys, Sink, open_sinks
 from dschat.utils import write_json
 
 DEFAULT_REPORT_TO: str = RunArgs.report_to  # TensorBoard and jsonl
@@ -29,7 +31,7 @@ def _scalar(v: Any) -> float | None:
 
 class RunTracker:
     """Writes one JSON object per logged step to ``metrics.jsonl`` and the same scalars to the trackers of
-    ``--report-to`` (``dschat.training.trackers``: TensorBoard by default; W&B, MLflow, Trackio on request), with
+    ``--report-to`` (``dschat.training.sinks``: TensorBoard by default; W&B, MLflow, Trackio on request), with
     the health monitor's alarms (``log_alarm``) and sampled answers (``log_samples``).
 
     ``metrics.jsonl`` is always written (resume, the pipeline report and the benchmarks read it). ``report_to``
@@ -37,7 +39,9 @@ class RunTracker:
     ``args.json``, which ``begin_stage`` writes first; without one, TensorBoard and jsonl, as before the flag.
     The run's name in the trackers is the output folder's name.
 
-    Only the main rank writes; other ranks get a tracker that does nothing, so loops need no rank checks.
+    Only the main rank writes; other ranks get a tracker that does nothing, so loops need no rank checks. Every
+    external run ends when the process does: ``close`` (the stages call it in a ``finally``), else an exit
+    handler that ends it FAILED.
     """
 
     def __init__(self, output_dir: str | Path, enabled: bool, total_steps: int, progress: bool = True,
@@ -55,6 +59,7 @@ class RunTracker:
         report_to = report_to or args.get("report_to") or DEFAULT_REPORT_TO
         self._jsonl = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._sinks = open_sinks(report_to, self.dir, self.dir.resolve().name, args if config is None else config)
+        atexit.register(self._at_exit)
         for sink in self._sinks:
             if getattr(sink, "where", None):  # W&B says where itself
                 self.message(f"{sink.name}: {sink.where}")
@@ -78,10 +83,12 @@ class RunTracker:
         for sink in list(self._sinks):
             try:
                 getattr(sink, call)(*args)
+            except RefusedKeys as e:  # the sink logged the rest and skips these from now on
+                self.message(f"{sink.name}: refused {', '.join(e.keys)} ({e.why}); not logged there from now on "
+                             "(metrics.jsonl has them)")
             except Exception as e:  # noqa: BLE001 - whatever the library raised
                 self._sinks.remove(sink)
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                self.message(f"{sink.name}: logging failed ({first}); it is off for the rest of the run "
+                self.message(f"{sink.name}: logging failed ({first_line(e)}); it is off for the rest of the run "
                              "(metrics.jsonl has every row)")
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
@@ -133,19 +140,37 @@ class RunTracker:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self, failed: bool | None = None) -> None:
-        """Finish every tracker's run; ``failed`` (default: whether an exception is on its way out, as when called
-        from a ``finally``) marks it failed where the tracker records that."""
-        if failed is None:
-            failed = sys.exc_info()[0] is not None
+    def close(self, status: str | None = None) -> None:
+        """End every tracker's run as ``status`` (``sinks.STATUSES``); by default as the exception on its way out
+        says when called from a ``finally`` (``exit_status``)."""
+        if status is None:
+            status = exit_status(sys.exc_info()[1])
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        self._each("close", failed)
+        self._each("close", status)
         self._sinks = []
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+    def _at_exit(self) -> None:
+        """The process is exiting with a run still open (an error before the stage's ``finally``, a hung step):
+        it ends FAILED rather than RUNNING for ever."""
+        if self._sinks:
+            self.close("FAILED")
+
+
+def exit_status(error: BaseException | None) -> str:
+    """How a run ends when ``error`` is on its way out: FINISHED (none), KILLED (stopped with a state: a health
+    alarm, a reward server down, Ctrl-C; or a rollback, after which the same run goes on), FAILED (anything else)."""
+    if error is None:
+        return "FINISHED"
+    health = sys.modules.get("dschat.training.health")  # not imported: no rollback can be on its way
+    rollback = health is not None and isinstance(error, health.Rollback)
+    stopped = getattr(error, "exit_code", None) in (ExitCode.STOPPED, ExitCode.INTERRUPTED)
+    return "KILLED" if stopped or rollback or isinstance(error, KeyboardInterrupt) else "FAILED"
 
 
 def write_eval(output_dir: str | Path, metrics: dict[str, Any]) -> None:

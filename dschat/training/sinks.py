@@ -1,9 +1,14 @@
 """The places ``--report-to`` sends a run's metrics besides ``metrics.jsonl``: TensorBoard, Weights & Biases, MLflow
-and Trackio, one small sink each, written to by ``dschat.training.tracking.RunTracker`` on the main rank.
+and Trackio, one small sink each, written to by ``dschat.training.run_tracker.RunTracker`` on the main rank.
 
 A sink gets the run's configuration (the flat dict of ``args.json``) when it opens, then every logged row's finite
-scalars at their step (``log``), the health monitor's alarms (``alarm``), sampled answers as a table
-(``samples``), and ``close``, which finishes the run (as failed when an exception is on its way out).
+scalars at their step (``log``, under names it accepts: ``metric_name``), the health monitor's alarms (``alarm``),
+sampled answers as a table (``samples``), and ``close``, which ends the run FINISHED, FAILED or KILLED (stopped
+with a state). A key the tracker still refuses is ``RefusedKeys``: the rest of the row was logged.
+
+Steps go back after a resume or a rollback (the run goes on from its state, and logs those steps again): W&B logs
+its own step metric (``STEP_METRIC``, ``define_metric``) so that no row is dropped, and TensorBoard's events past
+the state are purged as ``metrics.jsonl`` is cut (``dschat.training.resume.truncate_metrics``).
 
 The external libraries are imported lazily and log offline into the output folder by default: W&B in offline mode
 (``O/wandb/``; ``WANDB_MODE`` chooses otherwise), MLflow to a SQLite store (``O/mlflow/``; ``MLFLOW_TRACKING_URI``
@@ -28,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dschat.config import report_sinks
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.utils import write_json
 
 PROJECT = "dschat"  # the W&B project, MLflow experiment and Trackio project (each library's env vars override it)
@@ -37,6 +42,24 @@ PROBE_TIMEOUT_S = 5.0
 SAMPLE_COLUMNS = ("step", "prompt", "answer", "reward")
 SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow stores that go through SQLAlchemy
 RUN_IDS = "trackers.json"  # in the output folder: {tracker: the id of its run}, for a resumed run to continue
+STEP_METRIC = "dschat/step"  # W&B's x-axis for every metric: a step logged again after a rollback is kept
+STATUSES = ("FINISHED", "FAILED", "KILLED")  # how a run ends: done, an error, stopped (with a state, or Ctrl-C)
+
+
+def metric_name(key: str) -> str:
+    """``key`` as every tracker accepts it: letters, digits and ``_-./`` only (anything else becomes ``_``), no
+    empty, leading or trailing path segment (MLflow refuses a name that a path normalisation would change)."""
+    text = re.sub(r"[^\w\-./]", "_", key)
+    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in text.split("/") if p]
+    return "/".join(parts) or "_"
+
+
+class RefusedKeys(Exception):
+    """A tracker refused some keys of a row (``keys``) and logged the rest; the tracker stays on."""
+
+    def __init__(self, keys: list[str], why: str):
+        super().__init__(f"refused {', '.join(keys)}: {why}")
+        self.keys, self.why = keys, why
 
 
 class Sink(Protocol):
@@ -51,7 +74,7 @@ class Sink(Protocol):
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
-    def close(self, failed: bool) -> None: ...
+    def close(self, status: str) -> None: ...
 
 
 def alarm_text(record: dict[str, Any]) -> str:
@@ -81,7 +104,7 @@ class TensorBoardSink:
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
+            self.writer.add_scalar(metric_name(k), v, step)
 
     def alarm(self, record: dict[str, Any]) -> None:
         self.writer.add_text(f"alarms/{record.get('check', 'alarm')}", alarm_text(record), record.get("step", 0))
@@ -95,7 +118,7 @@ class TensorBoardSink:
                   for r in rows]
         self.writer.add_text("eval/samples", "\n".join(table), step)
 
-    def close(self, failed: bool) -> None:
+    def close(self, status: str) -> None:
         self.writer.flush()
         self.writer.close()
 
@@ -110,7 +133,7 @@ class RunApiSink:
     quiet: Any = contextlib.nullcontext
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
+        self.run.log({metric_name(k): v for k, v in scalars.items()}, step=step)
 
     def alarm(self, record: dict[str, Any]) -> None:
         with self.quiet():
@@ -142,14 +165,30 @@ class WandbSink(RunApiSink):
                               name=os.environ.get("WANDB_NAME") or run_name, config=config,
                               settings=wandb.Settings(**settings), **kwargs)
         self.run_id = self.run.id  # offline, a resumed run is another offline-run-*-<id> folder; sync joins them
+        # W&B drops a row whose step is below its run's current one, which is every row a resumed or rolled-back
+        # run logs again: every metric is plotted against a step metric of dschat's own instead
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
 
-    def close(self, failed: bool) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({**{metric_name(k): v for k, v in scalars.items()}, STEP_METRIC: step})
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = self.lib.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(step, rows))
+        self.run.log({"eval/samples": table, STEP_METRIC: step})
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code={"FINISHED": 0, "FAILED": 1}.get(status, 255))
 
 
 def mlflow_local_uri(output_dir: Path) -> str:
     """The SQLite store under ``O/mlflow/`` used when ``MLFLOW_TRACKING_URI`` is not set."""
     return "sqlite:///" + str((output_dir / "mlflow" / "mlflow.db").resolve())
+
+
+def mlflow_scheme(uri: str) -> str:
+    """The store kind of an MLflow tracking URI (``sqlite``, ``postgresql``, ``http``, ``file``, ...)."""
+    return uri.split(":", 1)[0].split("+", 1)[0] if "://" in uri or uri.startswith("sqlite:") else "file"
 
 
 class MlflowSink:
@@ -172,12 +211,16 @@ class MlflowSink:
             (output_dir / "mlflow").mkdir(parents=True, exist_ok=True)
             uri = mlflow_local_uri(output_dir)
         self.client = MlflowClient(tracking_uri=uri)
+        self.refused: set[str] = set()
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
-            artifacts = (output_dir / "mlflow" / "artifacts").resolve().as_uri() if local else None
+            # a database store without a server keeps artifacts in ./mlruns of wherever the command started:
+            # under the output folder instead. A server (http) has an artifact store of its own
+            artifacts = (output_dir / "mlflow" / "artifacts").resolve().as_uri() \
+                if mlflow_scheme(uri) in SQL_SCHEMES else None
             experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
         self.run_id = self._resumed(resume_id)
         if self.run_id is None:
@@ -202,9 +245,28 @@ class MlflowSink:
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         stamp = int(time.time() * 1000)
-        metrics = [self.Metric(re.sub(r"[^\w\-. :/]", "_", k), v, stamp, step) for k, v in scalars.items()]
+        metrics = [self.Metric(metric_name(k), v, stamp, step) for k, v in scalars.items()
+                   if metric_name(k) not in self.refused]
+        refused: list[str] = []
+        why = ""
         for i in range(0, len(metrics), self.MAX_METRICS):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + self.MAX_METRICS])
+            batch = metrics[i:i + self.MAX_METRICS]
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as e:  # noqa: BLE001 - MLflow's own error
+                if not refuses(e):  # the store failed, not a name: the tracker goes
+                    raise
+                for m in batch:  # one by one: a name MLflow refuses goes, the others are logged
+                    try:
+                        self.client.log_batch(self.run_id, metrics=[m])
+                    except Exception as one:  # noqa: BLE001
+                        if not refuses(one):
+                            raise
+                        refused.append(m.key)
+                        why = first_line(one)
+        if refused:
+            self.refused.update(refused)
+            raise RefusedKeys(refused, why)
 
     def alarm(self, record: dict[str, Any]) -> None:
         check = re.sub(r"[^A-Za-z0-9_.-]", "_", str(record.get("check", "alarm")))
@@ -216,8 +278,13 @@ class MlflowSink:
         self.client.log_table(self.run_id, data={c: list(v) for c, v in zip(SAMPLE_COLUMNS, columns, strict=True)},
                               artifact_file=f"samples/step_{step:08d}.json")
 
-    def close(self, failed: bool) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def refuses(e: BaseException) -> bool:
+    """Whether an MLflow error refuses what was logged (a name or value), rather than failing to store it."""
+    return getattr(e, "error_code", None) == "INVALID_PARAMETER_VALUE"
 
 
 def import_trackio(output_dir: Path) -> Any:
@@ -249,7 +316,7 @@ class TrackioSink(RunApiSink):
         self.where = f"run {self.run_id} in " + (remote or f"{TRACKIO_DIR} (view: TRACKIO_DIR={TRACKIO_DIR} trackio "
                                                          f"show --project {PROJECT})")
 
-    def close(self, failed: bool) -> None:
+    def close(self, status: str) -> None:
         with quiet_stdout():
             self.lib.finish()
 
@@ -291,11 +358,6 @@ def open_sinks(report_to: str, output_dir: Path, run_name: str, config: dict[str
     if any(sink.name in EXTERNAL for sink in sinks):
         write_json(output_dir / RUN_IDS, ids)
     return sinks
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def missing(name: str, e: ImportError) -> str:

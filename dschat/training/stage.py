@@ -23,7 +23,7 @@ from dschat.errors import UserError
 from dschat.models.loading import TINY
 from dschat.training.lock import claim_output_dir
 from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
-from dschat.training.trackers import RUN_IDS, check_trackers
+from dschat.training.sinks import RUN_IDS, check_trackers
 from dschat.utils import set_seed, write_json
 
 TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
@@ -255,7 +255,7 @@ class ResumableLoop:
     def watch(self, health: Any) -> None:
         """Let ``health`` act after each step (and resume its own state from the restored one)."""
         self.health = health
-        health.resume(self.state, self.engines)
+        health.resume(self.state, self.engines, self.resumed_from)
 
     def save_now(self) -> Path | None:
         """A state of the step just counted (what a health alarm saves), as the running driver saves it."""
@@ -267,7 +267,10 @@ class ResumableLoop:
         if any(eng.micro_steps % self.accumulation for eng in self.engines.values()):
             self.stage.log(f"no state at step {self.step}: it ends inside a gradient-accumulation window")
             return None
-        return self.ckpt.save(self.step, {**self.position, **self.extras} if fields is None else fields, tensors)
+        fields = {**self.position, **self.extras} if fields is None else fields
+        if self.health is not None:  # the monitor as it is now: its windows and baselines go on after a resume
+            fields = {**fields, "health": self.health.state_dict()}
+        return self.ckpt.save(self.step, fields, tensors)
 
     def _start_state(self, save: Callable[[], Path | None]) -> None:
         """Under ``--on-alarm rollback``, a state of step 0 before a new run's first step: an alarm whose window

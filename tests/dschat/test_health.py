@@ -72,7 +72,7 @@ def test_kl_growth(tmp_path):
     rows = healthy(40)
     for i, r in enumerate(rows):
         r["train/kl"] = 0.004 if i < 20 else 0.004 * 3 ** ((i - 19) / 2)  # x3 every two steps from step 21
-    fired = feed(monitor(tmp_path, alarm_kl_max=0), rows)
+    fired = feed(monitor(tmp_path, alarm_kl_ceiling=0), rows)
     assert fired and fired[0][1] == "kl_growth"
     step = fired[0][0]
     recent = [r["train/kl"] for r in rows[step - 10: step]]
@@ -98,11 +98,11 @@ def test_length_pinned_only_from_a_lower_baseline(tmp_path):
     assert feed(monitor(tmp_path, context=ctx), pinned_from_start) == []
 
 
-def test_eos_collapse(tmp_path):
+def test_eos_drop(tmp_path):
     rows = healthy(40)
     for r in rows[20:]:
         r["train/eos_rate"] = 0.05
-    assert [c for _, c in feed(monitor(tmp_path), rows)] == ["eos_collapse"]
+    assert [c for _, c in feed(monitor(tmp_path), rows)] == ["eos_drop"]
 
 
 def test_reward_hacking_needs_the_held_out_fall_and_the_training_rise(tmp_path):
@@ -185,11 +185,11 @@ def test_stage2_overfit_and_score_drift(tmp_path):
     assert feed(monitor(tmp_path, stage=2), [{"train/kl": 50.0}]) == []
 
 
-def test_value_divergence_and_clip_pinned(tmp_path):
+def test_value_growth_and_clip_pinned(tmp_path):
     rows = healthy(40)
     for r in rows[25:]:
         r["train/critic_loss"] = 8.0
-    assert [c for _, c in feed(monitor(tmp_path), rows)] == ["value_divergence"]
+    assert [c for _, c in feed(monitor(tmp_path), rows)] == ["value_growth"]
     rows = healthy(40)
     for r in rows[20:]:
         r["train/actor_clip_frac"] = 0.7
@@ -331,7 +331,7 @@ def test_rollback_restores_the_state_it_names(tmp_path):
     plain, out = tmp_path / "plain", tmp_path / "run"
     proc = run_cli(*grpo_argv(tmp_path, plain), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli(*grpo_argv(tmp_path, out, "--alarm-kl-max", "6e-4", "--on-alarm", "rollback",
+    proc = run_cli(*grpo_argv(tmp_path, out, "--alarm-kl-ceiling", "6e-4", "--on-alarm", "rollback",
                               "--max-rollbacks", "2", "--alarm-window", "4"), timeout=600)
     assert proc.returncode in (0, 4), proc.stderr[-3000:]
     alarms = [json.loads(x) for x in (out / "health.jsonl").read_text().splitlines()]
@@ -357,7 +357,7 @@ def test_stop_exits_with_its_code_and_leaves_a_resumable_state(tmp_path):
     from tests.helpers import read_json, run_cli
 
     out = tmp_path / "run"
-    proc = run_cli(*grpo_argv(tmp_path, out, "--alarm-kl-max", "1e-9", "--on-alarm", "stop"), timeout=600)
+    proc = run_cli(*grpo_argv(tmp_path, out, "--alarm-kl-ceiling", "1e-9", "--on-alarm", "stop"), timeout=600)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("dschat: error: stopped by the health alarm 'kl_ceiling'")
     assert "continue with --resume" in proc.stderr
@@ -389,25 +389,79 @@ def test_silent_on_the_demo_pipelines_own_streams(tmp_path, name):
 
 
 def test_a_resumed_monitor_has_the_history_and_quiet_windows_of_the_run(tmp_path):
-    """metrics.jsonl up to the restored step becomes the history (so a trend has its earlier half and baseline), and
-    an alarm fired before it keeps its check quiet for its window."""
+    """The monitor's windows, baselines and quiet windows travel in the training state (as JSON), not rebuilt from
+    metrics.jsonl, which holds only every --log-interval-th step: here every 5th, so a rebuilt history would have
+    4 values of the 20 steps before the state, and kl_growth (window 20) would find no earlier half."""
     rows = healthy(40)
     for i, r in enumerate(rows):
         r["train/kl"] = 0.004 if i < 20 else 0.2
+        r["train/eos_rate"] = 0.6 if i < 10 else 0.1  # eos_drop fires before the state, then quiet for a window
     with (tmp_path / "metrics.jsonl").open("w") as fh:
-        for i, r in enumerate(rows[:24], start=1):
-            fh.write(json.dumps({"step": i, "time": 0.1 * i, **r}) + "\n")
-    (tmp_path / "health.jsonl").write_text(json.dumps(H.Alarm(18, "eos_collapse", "train/eos_rate", 0.1, 0.3, "m",
-                                                              17, "warn").record()) + "\n")
+        for i, r in enumerate(rows[:20], start=1):
+            if i % 5 == 0:
+                fh.write(json.dumps({"step": i, "time": 0.1 * i, **r}) + "\n")
     uninterrupted = monitor(tmp_path)
     fired = feed(uninterrupted, [dict(r) for r in rows])
+    assert ("kl_growth" in [c for s, c in fired if s > 20]) and [c for s, c in fired if s <= 20] == ["eos_drop"]
+
+    first = monitor(tmp_path)
+    feed(first, [dict(r) for r in rows[:20]])
+    trainer = json.loads(json.dumps({"step": 20, "health": first.state_dict()}))  # trainer.json's round trip
     resumed = monitor(tmp_path)
-    resumed.resume({"step": 20}, {})
-    assert len(resumed.history.values("train/kl")) == 20 and resumed.quiet_until == {"eos_collapse": 38}
+    resumed.resume(trainer, {})
+    assert len(resumed.history.values("train/kl")) == 20
+    assert resumed.quiet_until == first.quiet_until and set(resumed.quiet_until) == {"eos_drop"}
     after = []
     for i, row in enumerate(rows[20:], start=21):
         after += [(a.step, a.check) for a in resumed.observe(i, dict(row))]
-    assert after == [x for x in fired if x[0] > 20] and ("kl_growth" in [c for _, c in after])
+    assert after == [x for x in fired if x[0] > 20]
+
+
+def test_a_rollback_passes_its_decision_to_the_run_that_resumes_its_state(tmp_path):
+    """No module global: the rollback leaves its scale and count beside the states (checkpoints/rollback.json),
+    read by the monitor that resumes exactly that state (in this process or a later --resume), no other one."""
+    import torch
+
+    assert not hasattr(H, "_RESTART") and not hasattr(H, "restart_after")
+    root = make_states(tmp_path, [0, 10, 20])
+    m = monitor(tmp_path, on_alarm="rollback", rollback_lr_scale=0.25, max_rollbacks=2)
+    m.observe(20, {"train/kl": 5.0})
+    with pytest.raises(H.Rollback) as e:
+        m.respond(FakeLoop())
+    assert e.value.state == root / "step-00000000" and (e.value.lr_scale, e.value.rollbacks) == (0.25, 1)
+
+    p = torch.nn.Parameter(torch.zeros(1))
+
+    class Eng:
+        optimizer = torch.optim.SGD([p], lr=0.1)
+
+    lines = []
+    again = H.HealthMonitor(HealthArgs(on_alarm="rollback", max_rollbacks=2), 3, tmp_path, log=lines.append)
+    again.resume({"step": 0, "health": {"lr_scale": 1.0, "rollbacks": 0}}, {"actor": Eng()}, root / "step-00000000")
+    assert (again.lr_scale, again.rollbacks) == (0.25, 1)
+    assert Eng.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert lines == ["rolled back to step-00000000: learning rates x0.25 from here (rollback 1 of 2)"]
+    assert again.state_dict()["lr_scale"] == 0.25  # what the next state saves
+    other = monitor(tmp_path)  # another state (a later one, resumed by --resume): its own saved figures
+    other.resume({"step": 30, "health": {"lr_scale": 0.25, "rollbacks": 1}}, {}, root / "step-00000030")
+    assert (other.lr_scale, other.rollbacks) == (0.25, 1)
+
+
+def test_a_final_alarm_never_costs_a_finished_run_its_outputs(tmp_path):
+    """After the last evaluation an alarm only warns, under rollback with no rollbacks left too (it raised a stop
+    before the model folders and eval.json were written); with one left it still rolls back."""
+    make_states(tmp_path, [0])
+    for action in ("stop", "save", "rollback"):
+        m = monitor(tmp_path, on_alarm=action)
+        m.rollbacks = 1  # --max-rollbacks 1, spent
+        m.observe(5, {"train/kl": 5.0})
+        loop = FakeLoop()
+        m.respond(loop, final=True)
+        assert [a["action"] for a in m.summary()] == ["warn"] and loop.saved == []
+    m = monitor(tmp_path, on_alarm="rollback")
+    m.observe(5, {"train/kl": 5.0})
+    with pytest.raises(H.Rollback):
+        m.respond(FakeLoop(), final=True)
 
 
 def test_a_kl_ceiling_rollback_lands_a_window_before_the_crossing(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 
 from dschat.config import SFTConfig, build_config
 from dschat.errors import UserError
-from dschat.training import trackers
-from dschat.training.tracking import RunTracker
+from dschat.training import sinks as trackers
+from dschat.training.run_tracker import RunTracker
 from tests.helpers import ROOT, read_json, read_jsonl, run_cli
 
 ALL = "tensorboard,jsonl,wandb,mlflow,trackio"
@@ -84,7 +84,7 @@ def read_trackers(out: str) -> dict:
     root = Path(out)
     # W&B: the offline run's transaction log, as `wandb leet inspect --json` prints its records (a resumed run
     # writes another offline-run-*-<id> folder with the same id; `wandb sync` joins them)
-    records, history, tables = [], {}, {}
+    records, history, tables, metrics = [], {}, {}, []
     run_dirs = sorted(glob.glob(str(root / "wandb" / "offline-run-*")))
     for run_dir in run_dirs:
         proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", run_dir],
@@ -93,15 +93,20 @@ def read_trackers(out: str) -> dict:
         records += mine
         for r in mine:
             if r["type"] == "history":
-                item = history[str(r["history"]["step"]["num"])] = r["history"]["item"]
+                # W&B's own x-axis for dschat's rows is the step metric dschat defines (define_metric): the row
+                # counter (_step) of a resumed run starts again; a step logged again replaces the earlier row
+                item = r["history"]["item"]
+                step = str(int(item.pop(trackers.STEP_METRIC)))
+                history.setdefault(step, {}).update(item)
                 if "eval/samples.path" in item:  # the table's file, beside the run's other files
-                    tables[str(r["history"]["step"]["num"])] = json.loads(
-                        (Path(run_dir) / "files" / item["eval/samples.path"]).read_text())
+                    tables[step] = json.loads((Path(run_dir) / "files" / item["eval/samples.path"]).read_text())
+            if r["type"] == "metric":
+                metrics.append(r["metric"])
     run = [r["run"] for r in records if r["type"] == "run"][0]
     wandb = {"history": history, "config": run["config"]["update"], "name": run["display_name"],
              "project": run["project"], "alerts": [r["alert"] for r in records if r["type"] == "alert"],
              "exit": [r["exit"] for r in records if r["type"] == "exit"], "tables": tables,
-             "ids": [d.rsplit("-", 1)[1] for d in run_dirs]}
+             "ids": [d.rsplit("-", 1)[1] for d in run_dirs], "metrics": metrics}
 
     # MLflow: the SQLite store under out/mlflow
     import mlflow
@@ -209,8 +214,8 @@ class Recording:
     def samples(self, step, rows):
         self.rows.append(("samples", step, len(rows)))
 
-    def close(self, failed):
-        self.closed = failed
+    def close(self, status):
+        self.closed = status
 
 
 def test_a_failing_tracker_is_dropped_and_runs_end_failed_on_an_exception(tmp_path, capsys):
@@ -225,7 +230,7 @@ def test_a_failing_tracker_is_dropped_and_runs_end_failed_on_an_exception(tmp_pa
     tracker.close()
     assert [r["x"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")] == [1.0, 2.0]  # logging never stops
     assert kept.rows == [(1, {"x": 1.0}), (2, {"x": 2.0}), ("alarm", "kl_max"), ("samples", 2, 2)]
-    assert kept.closed is False and broken.closed is None  # the broken one was dropped at its first failure
+    assert kept.closed == "FINISHED" and broken.closed is None  # the broken one was dropped at its first failure
     err = capsys.readouterr().err
     assert err.count("recording: logging failed (server went away); it is off for the rest of the run") == 1
 
@@ -236,7 +241,7 @@ def test_a_failing_tracker_is_dropped_and_runs_end_failed_on_an_exception(tmp_pa
             raise ValueError("the stage failed")
         finally:
             tracker.close()  # as the stages close it
-    assert failed.closed is True
+    assert failed.closed == "FAILED"
     RunTracker(tmp_path / "c", False, 2).log_alarm(ALARM)  # other ranks: nothing, no folder
     assert not (tmp_path / "c").exists()
 
