@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 
 SEVERITY_WIDTH, CHECK_WIDTH = 5, 9
 
@@ -84,4 +84,4 @@ def doctor_command(step: int | None, hostfile: str | None, master_port: int | No
         tally = {s: sum(f.severity == s for f in findings) for s in ("ok", "warn", "error")}
         click.echo(f"doctor: {tally['ok']} ok, {tally['warn']} warning(s), {tally['error']} error(s)")
     if any(f.severity == ERROR for f in findings):
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)

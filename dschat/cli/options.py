@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 
 from dschat.config import FlagSpec, build_config, canonical_names, flag_specs, load_config_file, refuse_inert
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 
 
 class SiblingChoice(click.Choice):
@@ -142,7 +142,8 @@ def run_with_rollbacks(run: Callable[[Any], Any], cfg: Any) -> Any:
 
 
 def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:
-    """Run a click command; user errors become one line on stderr and exit code 2, never a traceback."""
+    """Run a click command; user errors become one line on stderr and their exit code (``dschat.errors.ExitCode``:
+    2 for a mistake in the input), never a traceback."""
     try:
         cmd.main(args=argv, standalone_mode=False)
     except UserError as e:
@@ -152,10 +153,10 @@ def run_command(cmd: click.Command, argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
-        sys.exit(2)
+        sys.exit(ExitCode.USAGE)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
-        sys.exit(130)
+        sys.exit(ExitCode.INTERRUPTED)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(ExitCode.INTERRUPTED)

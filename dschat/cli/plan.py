@@ -14,9 +14,9 @@ import click
 from click.core import ParameterSource
 
 from dschat.config import canonical_names, flag_specs, load_config_file
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 
-NO_FIT_EXIT = 3
+NO_FIT_EXIT = ExitCode.DOES_NOT_FIT
 
 
 def stage_values(step: int, args: list[str]) -> dict[str, Any]:

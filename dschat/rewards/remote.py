@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 
 TOKEN_ENV = "DSCHAT_REWARD_TOKEN"
 SCHEMES = ("http://", "https://")
@@ -36,7 +36,7 @@ class RewardServerDown(UserError):
     """A remote reward source stayed unreachable (or kept failing) through its retries. Stage 3 saves the state
     of its last completed step first; exit code 4, as a run stopped with a state."""
 
-    exit_code = 4
+    exit_code = ExitCode.STOPPED
 
 
 def is_remote(name: str) -> bool:

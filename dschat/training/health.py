@@ -32,10 +32,10 @@ from typing import Any
 
 from dschat import engine as E
 from dschat.config import HealthArgs
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 from dschat.utils import atomic_write_text, read_jsonl_rows
 
-STOP_EXIT_CODE = 4
+STOP_EXIT_CODE = ExitCode.STOPPED
 KL_GROWTH_FLOOR = 0.05  # nats per token: below it a growing KL is still small
 MIN_HISTORY = 5  # a running median needs this many earlier values
 

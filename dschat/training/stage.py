@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from dschat import engine as E
 from dschat.config import DataArgs, OptimArgs, RunArgs, to_flat_dict
 from dschat.data.packing import LengthGroupedSampler, best_capacity, pack_rows
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 from dschat.models.loading import TINY
 from dschat.training.lock import claim_output_dir
 from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
@@ -350,7 +350,7 @@ class ResumableLoop:
 class Interrupted(UserError):
     """Ctrl-C: the state was saved; exit 130 like any interrupted command."""
 
-    exit_code = 130
+    exit_code = ExitCode.INTERRUPTED
 
 
 def sigint_unless_exiting(signum: int, frame: Any) -> None:
