@@ -24,7 +24,7 @@ from typing import Any
 from dschat.errors import UserError
 
 # --generation-backend: what samples (dschat.generation.backends)
-BACKENDS = ("auto", "vllm", "dschat", "compiled", "hf")
+BACKENDS = ("auto", "vllm", "dschat", "graph", "compiled", "hf")
 # --report-to: where the metrics go (dschat.training.run_tracker, dschat.training.sinks)
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "mlflow", "trackio")
 

@@ -45,3 +45,17 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     if cuda:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def prefer_attention_kernels() -> None:
+    """On CUDA, keep SDPA off its cuDNN backend (flash, memory-efficient and math remain). cuDNN attention builds
+    an execution plan for every new shape, and RLHF's shapes keep changing: a decode step's key length grows by
+    one each token (HF ``generate``'s and an eager decoder's), and training batches are padded to their longest
+    row. Building those plans cost more CPU time than the kernels saved (docs/speed.md, GPU section). A no-op off
+    CUDA; ``DSCHAT_CUDNN_ATTENTION=1`` leaves torch's own choice."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("DSCHAT_CUDNN_ATTENTION", "0") != "1":
+        torch.backends.cuda.enable_cudnn_sdp(False)

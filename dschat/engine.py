@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
+from dschat.devices import prefer_attention_kernels
 from dschat.errors import UserError
 from dschat.utils import unwrap  # noqa: F401  (E.unwrap, the engine helpers' name for it)
 
@@ -46,6 +47,7 @@ def setup_distributed() -> None:
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+    prefer_attention_kernels()
 
 
 @contextlib.contextmanager

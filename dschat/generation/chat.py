@@ -149,8 +149,9 @@ class Chatbot:
         sample = not greedy and temperature > 0
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature,
                                            top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
-        # auto: vLLM on a GPU, else HF's generate, which reads the rest of the model's own generation config. EOS
-        # ids come from that config either way (end of turn and end of text, where a chat model lists both).
+        # auto: vLLM on a GPU, else the captured step on a GPU, else HF's generate, which reads the rest of the
+        # model's own generation config. EOS ids come from that config either way (end of turn and end of text,
+        # where a chat model lists both).
         self.backend = make_backend(backend, model, fallback="hf")
         own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = own if own is not None else tokenizer.eos_token_id
@@ -162,6 +163,8 @@ class Chatbot:
         fit the model's positions, so the caller can keep its history within bounds too.
         """
         import torch
+
+        from dschat.generation.backends import generate_with
 
         kept, ids, dropped, cut = fit_messages(messages, self.tokenizer, self.budget)
         if dropped:
@@ -184,9 +187,9 @@ class Chatbot:
             return cut_at_stop(tail, self.stops)[1]
 
         with torch.inference_mode():
-            out = self.backend.generate(self.model, input_ids, torch.ones_like(input_ids),
-                                        dataclasses.replace(self.generation, on_token=on_token),
-                                        self.eos_token_id, self.tokenizer.pad_token_id)
+            out = generate_with(self.backend, self.model, input_ids, torch.ones_like(input_ids),
+                                dataclasses.replace(self.generation, on_token=on_token), self.eos_token_id,
+                                self.tokenizer.pad_token_id)
         streamer.end()
         text = self.tokenizer.decode(out.sequences[0, len(ids):], skip_special_tokens=True)
         return cut_at_stop(text, self.stops)[0].strip(), kept

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dschat import engine as E
-from dschat.generation.backends import make_backend
+from dschat.generation.backends import generate_with, make_backend
 from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend
 
 
@@ -50,18 +50,15 @@ class HybridEngine:
         self.last_generate_seconds = 0.0
 
     def sync_metrics(self) -> dict[str, float]:
-        """What the last weight sync measured (vLLM: ``sync/max_logprob_diff``, ``time/sync_s``), once: empty when
-        no sync happened since the last call or the backend samples from the actor's own weights."""
-        last = getattr(self.backend, "last", None) or {}
-        out = dict(last)
-        last.clear()
+        """What the backend measured since the last call, once: a weight sync (vLLM: ``sync/max_logprob_diff``,
+        ``time/sync_s``), a CUDA-graph capture (``time/graph_capture_s``); empty when nothing happened."""
+        out = dict(self.backend.last)
+        self.backend.last.clear()
         return out
 
     def close(self) -> None:
-        """Shut a serving engine down (vLLM: before torch.distributed is torn down); a no-op otherwise."""
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        """Free what the backend holds (vLLM's engine, before torch.distributed is torn down; captured graphs)."""
+        self.backend.close()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -82,9 +79,9 @@ class HybridEngine:
             rng = torch.random.get_rng_state()
             torch.manual_seed(generator_seed)
         try:
-            if getattr(self.backend, "owns_weights", False):  # vLLM: syncs the weights it lacks, then samples
-                out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,  # type: ignore
-                                            self.pad_token_id, engine=self.actor)
+            if self.backend.owns_weights:  # vLLM: the weights it lacks pushed first (every rank), then it samples
+                out = generate_with(self.backend, module, prompt, prompt_mask, config, self.eos_token_id,
+                                    self.pad_token_id, engine=self.actor)
             elif self.use_deepspeed:
                 self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
                 out = HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,

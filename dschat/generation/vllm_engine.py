@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -43,8 +44,9 @@ from typing import Any
 import torch
 
 from dschat.config import FULL_TOLERANCE, HALF_TOLERANCE, VLLMArgs
-from dschat.errors import UserError, stop_hung_process
+from dschat.errors import UserError, first_line, stop_hung_process
 from dschat.generation.decode import Generated
+from dschat.models.heads import head_dim
 
 PROBE_TOKENS, PROBE_SEED = 8, 1234
 PROBE_FLOOR = 128 + 16 + PROBE_TOKENS  # the probe's prompt fills one KV block (128 tokens on CPU, 16 on GPU) and more
@@ -95,7 +97,7 @@ def supports(module: torch.nn.Module) -> tuple[bool, str]:
     if not torch.cuda.is_available():
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        width = _head_dim(module.config)
+        width = head_dim(module.config)
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if width is not None and width not in sizes:
             return False, (f"vLLM's CPU attention runs heads {', '.join(map(str, sizes))} wide; this model's are "
@@ -168,8 +170,9 @@ def _refresh_cpu_gemms(model: torch.nn.Module) -> None:
     """vLLM's CPU build runs each linear through a GEMM prepared from its weight at load time (``cpu_linear``). An
     in-place reload prepares it again for every layer that received weights, but not for a tied LM head (Qwen2,
     GPT-2, OPT: its own module sharing the embedding's parameter, which no checkpoint name reaches), which kept
-    computing logits from the weights of the first load (0.2-0.5 nats off on the probe). The layers that keep their
-    weight beside the prepared GEMM (embeddings and LM heads) are prepared again here; no-op on GPUs."""
+    computing logits from the weights of the first load (the probe catches it: docs/generation.md). The layers
+    that keep their weight beside the prepared GEMM (embeddings and LM heads) are prepared again here; no-op on
+    GPUs."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -210,7 +213,7 @@ def _weights_key(module: torch.nn.Module, engine: Any) -> tuple[int, int]:
 
 
 class VLLMBackend:
-    """``--generation-backend vllm``: the ``Backend`` protocol of ``dschat.generation.decode`` plus ``sync``."""
+    """``--generation-backend vllm``: the ``Backend`` protocol of ``dschat.generation.decode``."""
 
     name = "vllm"
     owns_weights = True  # the engine holds its own copy: no ZeRO-3 gather around generate
@@ -270,7 +273,7 @@ class VLLMBackend:
         if self.args.vllm_kv_cache_memory:
             return self.args.vllm_kv_cache_memory << 20
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        width = _head_dim(config) or 0  # (vLLM refused a model it cannot size before this)
+        width = head_dim(config) or 0  # (vLLM refused a model it cannot size before this)
         per_token = 2 * config.num_hidden_layers * kv_heads * width * torch.finfo(self.dtype).bits // 8
         # the batch and the probe with block rounding, twice over; at least one sequence of the longest length
         want = per_token * max((batch + 2) * (total + 32) * 2, self.max_len + 64)
@@ -281,8 +284,9 @@ class VLLMBackend:
             llm, self.llm = self.llm, None
             try:
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:  # best effort at exit
-                pass
+            except Exception as e:  # best effort at exit, but said
+                print(f"[vllm] engine shutdown failed ({type(e).__name__}: {first_line(e)}); its memory goes "
+                      "with the process", file=sys.stderr)
             del llm
         if self._dir is not None:
             self._dir.cleanup()
@@ -404,12 +408,15 @@ class VLLMBackend:
     # ----------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
-                 config: Any, eos_token_id: int | list[int], pad_token_id: int, engine: Any = None) -> Any:
+                 config: Any, eos_token_id: int | list[int], pad_token_id: int) -> Any:
+        """Sample from the engine's weights, which ``sync`` must have made ``module``'s (the hybrid engine calls
+        it first)."""
         from vllm import SamplingParams
 
         B, P = prompt.shape
+        if self.llm is None or self.synced is None or self.synced[0] != id(module):
+            raise WeightSyncError("vLLM was asked to sample before this module's weights were synced into it")
         self._wake()  # asleep since the last sample (GPU): weights and KV cache back before anything runs
-        self.sync(module, engine, batch=B, total=P + config.max_new_tokens)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         vocab = int(module.config.vocab_size)
         eos = [e for e in eos if 0 <= e < vocab]  # an id past the vocabulary is never sampled (vLLM refuses it)
@@ -424,7 +431,6 @@ class VLLMBackend:
         rows = [{"prompt_token_ids": r[m.bool()].tolist()} for r, m in zip(prompt.cpu(), prompt_mask.cpu(),
                                                                            strict=True)]
         outs = self.llm.generate(rows, params, use_tqdm=False)
-        self.release()
         answers = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], a, strict=False)]
                  for o, a in zip(outs, answers, strict=True)]
@@ -450,13 +456,6 @@ def _apply_hook(on_token: Any, answers: list[list[int]], logps: list[list[float]
         if on_token(step):
             return [a[:t + 1] for a in answers], [lp[:t + 1] for lp in logps]
     return answers, logps
-
-
-def _head_dim(config: Any) -> int | None:
-    """The width of one attention head (``head_dim`` where the config sets it, else hidden size / heads; configs
-    name the head count ``num_attention_heads``, GPT-2's too through its attribute map); None if it names neither."""
-    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
-    return getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -232,7 +232,7 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     import torch
 
     from dschat.data.collators import pad_sequences  # torch, as above
-    from dschat.generation.backends import make_backend
+    from dschat.generation.backends import generate_with, make_backend
     from dschat.generation.decode import GenerationConfig, decode_answers
 
     device = next(model.parameters()).device
@@ -255,7 +255,8 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
             torch.manual_seed(s.seed + b)
             ids, mask = ids.repeat_interleave(s.votes, 0).to(device), mask.repeat_interleave(s.votes, 0).to(device)
             with torch.inference_mode():
-                seqs = backend.generate(model, ids, mask, gen, tokenizer.eos_token_id, tokenizer.pad_token_id).sequences
+                seqs = generate_with(backend, model, ids, mask, gen, tokenizer.eos_token_id,
+                                     tokenizer.pad_token_id).sequences
             texts, _ = decode_answers(tokenizer, seqs[:, ids.shape[1]:])
             for j, i in enumerate(idx):
                 out[i] = texts[j * s.votes: (j + 1) * s.votes]

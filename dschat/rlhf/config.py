@@ -30,7 +30,7 @@ from dschat.config import (
     piece,
 )
 from dschat.errors import UserError
-from dschat.rewards.names import JUDGE, RM, reward_sources
+from dschat.rewards.names import JUDGE, RM
 from dschat.rewards.remote import is_remote
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.specs import DPOArgs, GRPOArgs, PPOArgs, RLOOArgs
@@ -64,10 +64,13 @@ class RLArgs:
                                           "checked after every update; pip install -r requirements-vllm.txt), "
                                           "dschat (our loop: a preallocated KV cache, a lean per-token forward "
                                           "for Llama-architecture models, the sampling pass's log-probs reused as "
-                                          "PPO's old log-probs in fp32), compiled (the same loop with its per-token "
-                                          "step compiled by torch.compile: Llama-architecture models, tens of "
-                                          "seconds to compile on first use), hf (transformers' generate); auto = "
-                                          "vllm on a GPU where it is installed and runs the model, else dschat.",
+                                          "PPO's old log-probs in fp32), graph (the same loop with its token step "
+                                          "captured as a CUDA graph per batch and cache-width bucket; CUDA, "
+                                          "Llama-architecture models), compiled (the step compiled by "
+                                          "torch.compile; tens of seconds to compile on first use), hf "
+                                          "(transformers' generate); auto = vllm on a GPU where it is installed "
+                                          "and runs the model, else graph on a GPU where it runs the model, else "
+                                          "dschat.",
                                   choices=BACKENDS)
     vllm_importance_sampling: str = arg("token", "Correction for the gap between vLLM's sampling log-probs and the "
                                                  "trainer's: each token's policy loss (token) or each answer's "
@@ -86,10 +89,8 @@ class RewardArgs:
                                 "default).")
     reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
                                        "accuracy, judge_match, overlong, judge (a generative judge, --judge-model), "
-                                       "or path/to/file.py:function, or a reward server's URL; LABEL=SOURCE names "
-                                       "its metrics (train/reward/LABEL; default: the function's name, made "
-                                       "unique). Default: rm with --reward-model (PPO: always), else format and "
-                                       "accuracy.", factory=list)
+                                       "or path/to/file.py:function. Default: rm with --reward-model (PPO: always), "
+                                       "else format and accuracy.", factory=list)
     reward_weights: list[str] = arg(help="Weight of each --reward-funcs entry, in order (repeatable floats; "
                                          "default 1 each).", factory=list)
     judge_model: str = arg("", "Generative judge (RM-R1) of the reward source 'judge': a causal LM, e.g. a `dschat "
@@ -240,9 +241,8 @@ class RLHFConfig:
         return out
 
     def reward_func_names(self) -> list[str]:
-        """The run's reward sources: --reward-funcs (without their ``LABEL=``) or the algorithm's default (and what
-        it adds)."""
-        return reward_sources(self.algorithm.reward_func_names(self))
+        """The run's reward sources: --reward-funcs or the algorithm's default (and what it adds)."""
+        return self.algorithm.reward_func_names(self)
 
     def optim_of(self, who: str) -> OptimArgs:
         """The full ``OptimArgs`` of 'actor' or 'critic': its own rate and decay, the shared schedule."""
@@ -266,16 +266,21 @@ def check_config(cfg: RLHFConfig) -> None:
         require_vllm()
         if cfg.rl.enable_hybrid_engine:
             raise UserError("--enable-hybrid-engine and --generation-backend vllm both name what samples; pick one")
-    if cfg.rl.generation_backend == "compiled":
+    if cfg.rl.generation_backend in ("compiled", "graph"):
+        name = cfg.rl.generation_backend
+        if name == "graph":
+            from dschat.generation.backends import require_cuda_for_graph
+
+            require_cuda_for_graph()
         if cfg.actor_lora.lora_dim > 0:
-            raise UserError("--generation-backend compiled runs the actor's plain weights, and LoRA wraps its "
+            raise UserError(f"--generation-backend {name} runs the actor's plain weights, and LoRA wraps its "
                             "layers; use --generation-backend dschat with --actor-lora-dim")
-        from dschat.generation.decode import LEAN_MODEL_TYPES
+        from dschat.generation.lean_llama import LEAN_MODEL_TYPES
         from dschat.models.loading import local_model_type
 
         kind = local_model_type(cfg.actor.model)
         if kind is not None and kind not in LEAN_MODEL_TYPES:
-            raise UserError(f"--generation-backend compiled needs a Llama-architecture model "
+            raise UserError(f"--generation-backend {name} needs a Llama-architecture model "
                             f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
                             f"--generation-backend dschat")
     cfg.algorithm.check_config(cfg)

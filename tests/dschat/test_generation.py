@@ -19,18 +19,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from dschat.generation.decode import (
-    DschatBackend,
-    GenerationConfig,
-    HFBackend,
-    HFForward,
-    LeanLlama,
-    _BlockProducts,
-    next_token,
-    sample,
-    token_logprobs,
-    warp_logits,
-)
+from dschat.generation.decode import DschatBackend, GenerationConfig, HFBackend, HFForward
+from dschat.generation.lean_llama import LeanLlama, _BlockProducts
+from dschat.generation.sampling import next_token, sample, token_logprobs, warp_logits
 from dschat.rlhf.rollout import answer_logprobs, make_rollout
 
 PAD = 0
@@ -149,7 +140,7 @@ def test_split_step_equals_single_products(kind, split, monkeypatch):
 def test_default_split(monkeypatch):
     """S is the largest divisor of the head counts and widths up to torch's thread count; 1 with one thread, off
     the CPU, or when the copy would pass SPLIT_COPY_BYTES."""
-    import dschat.generation.decode as G
+    import dschat.generation.lean_llama as G
 
     llama, gqa = model_of("llama"), model_of("llama_gqa_rope3")  # heads 4 / kv 4 and 4 / 2; hidden 32, MLP 64
     for threads, want in ((1, (1, 1)), (2, (2, 2)), (3, (2, 2)), (4, (4, 2)), (8, (4, 2))):

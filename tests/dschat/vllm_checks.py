@@ -46,7 +46,7 @@ def greedy(folder: str, families: list[str]) -> dict[str, Any]:
         hf = HFBackend().generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
         backend = VLLMBackend()
         try:
-            ours = backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
+            ours = _sample(backend, model, ids, mask, gen, tok).sequences
             diff = backend.last["sync/max_logprob_diff"]
         except WeightSyncError as e:
             out[family] = {"supported": True, "equal": False, "error": str(e)}
@@ -98,14 +98,14 @@ def sync(folder: str) -> dict[str, Any]:
         steps = _Steps()
         backend = VLLMBackend(**switches)
         try:
-            backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=steps)
+            _sample(backend, model, ids, mask, gen, tok, steps)
             first = backend.last["sync/max_logprob_diff"]
             for _ in range(2 if lora else 1):  # LoRA: B starts at zero, so the second step moves the merged weights
                 _train_step(model, train_ids, lr=0.5 if lora else 0.05)
                 steps.global_steps += 1
             row: dict[str, Any] = {"first_probe": first}
             try:
-                seqs = backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=steps)
+                seqs = _sample(backend, model, ids, mask, gen, tok, steps)
                 hf = HFBackend().generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id).sequences
                 row.update(caught=False, probe=backend.last["sync/max_logprob_diff"],
                            equal=seqs.sequences.tolist() == hf.tolist())
@@ -131,3 +131,9 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _sample(backend: Any, model: Any, ids: Any, mask: Any, gen: Any, tok: Any, engine: Any = None) -> Any:
+    """As the hybrid engine samples from vLLM: the weights synced first, then the sample."""
+    backend.sync(model, engine, batch=ids.shape[0], total=ids.shape[1] + gen.max_new_tokens)
+    return backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
