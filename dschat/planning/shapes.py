@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.models.heads import head_dim as head_width
 
 # The shaping fields of each alias's published config.json (HF id -> fields), plus a few larger models for plans
 # at DeepSpeed-Chat's scale. Fields absent from a config take the family's default (``shape_from_config``).
@@ -197,7 +198,7 @@ def shape_from_config(config: dict[str, Any], name: str = "") -> ModelShape:
         h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or h // heads)
+        head_dim = int(head_width(config) or h // heads)
         vocab = int(config["vocab_size"])
         if kind == "opt":
             proj = int(config.get("word_embed_proj_dim") or h)
