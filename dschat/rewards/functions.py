@@ -225,17 +225,18 @@ def get_reward_func(name: str, max_completion_length: int = 256, overlong_buffer
 @dataclass
 class MixedRewards:
     total: torch.Tensor  # (N,) weighted sum over the functions
-    per_func: dict[str, torch.Tensor]  # name -> (N,) unweighted values, for logging train/reward/<name>
+    per_func: dict[str, torch.Tensor]  # label -> (N,) unweighted values, for logging train/reward/<label>
 
 
 class RewardMixer:
     """The weighted sum of several reward sources: ``total_i = sum_k w_k * r_k(i)``."""
 
     def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None,
-                 funcs: dict[str, RewardFunc | None] | None = None):
-        """``names`` in order; ``weights`` default to 1 each; ``funcs`` maps each name to its function (None
-        for externally computed sources such as ``rm``); by default they are looked up with
-        ``get_reward_func``."""
+                 funcs: dict[str, RewardFunc | None] | None = None, labels: Sequence[str] | None = None):
+        """``names``: the sources in order; ``weights`` default to 1 each; ``labels`` (default: the sources) name
+        each source's values (``per_func``, and so its metrics: ``dschat.rewards.names.reward_labels``) and key
+        ``funcs``, which maps each to its function (None for externally computed sources such as ``rm``, whose
+        values the caller passes by source); by default they are looked up with ``get_reward_func``."""
         if not names:
             raise UserError("no reward functions selected (--reward-funcs)")
         if len(set(names)) != len(names):
@@ -244,28 +245,32 @@ class RewardMixer:
         if len(weights) != len(names):
             raise UserError(f"{len(weights)} --reward-weights for {len(names)} --reward-funcs "
                             f"({', '.join(names)}); give one weight per function or none")
-        self.names = list(names)
+        self.sources = list(names)
+        self.names = list(labels) if labels is not None else list(names)  # the labels
+        if len(self.names) != len(self.sources) or len(set(self.names)) != len(self.names):
+            raise ValueError(f"one distinct label per reward source: {self.names} for {self.sources}")
         self.weights = [float(w) for w in weights]
-        self.funcs = funcs if funcs is not None else {n: get_reward_func(n) for n in names}
+        self.funcs = funcs if funcs is not None else \
+            {label: get_reward_func(n) for label, n in zip(self.names, self.sources, strict=True)}
 
     @property
     def external(self) -> list[str]:
-        """Names whose values the caller supplies (e.g. ``rm``)."""
-        return [n for n in self.names if self.funcs.get(n) is None]
+        """Sources whose values the caller supplies (e.g. ``rm``)."""
+        return [n for label, n in zip(self.names, self.sources, strict=True) if self.funcs.get(label) is None]
 
     def __call__(self, prompts: list[str], completions: list[str], external: dict[str, Any] | None = None,
                  **row_fields: Any) -> MixedRewards:
         n = len(completions)
         per_func: dict[str, torch.Tensor] = {}
-        for name in self.names:
+        for name, source in zip(self.names, self.sources, strict=True):
             fn = self.funcs.get(name)
             if fn is None:
-                if external is None or name not in external:
-                    raise ValueError(f"reward source {name!r} is computed by the caller; pass external={{...}}")
-                values = external[name]
+                if external is None or source not in external:
+                    raise ValueError(f"reward source {source!r} is computed by the caller; pass external={{...}}")
+                values = external[source]
             else:
-                values = _call(name, fn, prompts, completions, row_fields)
-            per_func[name] = _check_values(name, values, n)
+                values = _call(source, fn, prompts, completions, row_fields)
+            per_func[name] = _check_values(source, values, n)
         total = torch.zeros(n)
         for name, w in zip(self.names, self.weights, strict=True):
             total = total + w * per_func[name]

@@ -14,8 +14,10 @@ from dschat.losses import end_indices
 from dschat.models.loading import same_tokenizer
 from dschat.rewards.functions import RM, MixedRewards, RewardMixer, get_reward_func, parse_weights
 from dschat.rewards.judge import JUDGE, load_judge_reward
+from dschat.rewards.names import reward_labels
 from dschat.rewards.remote import is_remote, remote_reward
 from dschat.rlhf.rollout import Rollout, completion_texts, positions_from_mask
+from dschat.training import oom
 
 __all__ = ["JUDGE", "RM", "Retokenizer", "Scorer", "build_scorer", "encode_for_reward", "end_scores", "reward_scores",
            "row_fields", "same_tokenizer", "score_rows", "score_texts"]
@@ -67,7 +69,9 @@ def score_rows(reward_model: Any, rows: Sequence[Sequence[int]], pad_token_id: i
                 mask[j, : len(rows[i])] = 1
             if device is not None:
                 ids, mask = ids.to(device), mask.to(device)
-            out[part] = end_scores(reward_model, ids, mask).float().cpu()
+            out[part] = oom.split_on_oom(  # rows score alone, so halves give the same scores
+                "score", len(part), lambda a, b, ids=ids, mask=mask: end_scores(reward_model, ids[a:b], mask[a:b])
+                .float().cpu(), torch.cat, local=oom.rank_local(reward_model))
     return out
 
 
@@ -155,8 +159,8 @@ class Scorer:
 
     def __init__(self, mixer: RewardMixer, tokenizer: Any, reward_model: Any | None, retok: Retokenizer | None):
         self.mixer, self.tokenizer, self.reward_model, self.retok = mixer, tokenizer, reward_model, retok
-        self.needs_text = any(n != RM for n in mixer.names)
-        self.needs_ids = any(is_remote(n) for n in mixer.names)  # a server with the actor's tokenizer reads ids
+        self.needs_text = any(n != RM for n in mixer.sources)
+        self.needs_ids = any(is_remote(n) for n in mixer.sources)  # a server with the actor's tokenizer reads ids
 
     def stats(self) -> dict[str, float]:
         """Counters to log: rows cut to fit the reward model after re-tokenization, so far."""
@@ -168,7 +172,7 @@ class Scorer:
     @torch.no_grad()
     def __call__(self, rollout: Rollout, batch: dict[str, Any]) -> MixedRewards:
         external: dict[str, torch.Tensor] = {}
-        if RM in self.mixer.names:
+        if RM in self.mixer.sources:
             external[RM] = reward_scores(self.reward_model, rollout, self.retok).float().cpu()
         if not self.needs_text:  # rm only (PPO): no decoding
             n = rollout.sequences.shape[0]
@@ -193,20 +197,22 @@ def build_scorer(cfg: Any, models: Any | None) -> Scorer:
     reward model). A judge is a model, not a rule: it loads here, on this rank's device, with the run's rubric."""
     r = cfg.rewards
     names = cfg.reward_func_names()
+    labels = reward_labels(cfg.algorithm.reward_func_names(cfg))  # what names each source's metrics
     weights = reward_weights(r, names)
-    funcs: dict[str, Any] = {n: get_reward_func(n, cfg.rl.max_answer_seq_len, r.overlong_buffer, r.overlong_factor)
-                             for n in names if n != JUDGE and not is_remote(n)}
+    funcs: dict[str, Any] = {label: get_reward_func(n, cfg.rl.max_answer_seq_len, r.overlong_buffer,
+                                                    r.overlong_factor)
+                             for label, n in zip(labels, names, strict=True) if n != JUDGE and not is_remote(n)}
     tokenizer = getattr(models, "tokenizer", None)
-    for n in names:
+    for label, n in zip(labels, names, strict=True):
         if is_remote(n):
-            funcs[n] = remote_reward(n, r.reward_timeout, r.reward_retries, r.reward_backoff, r.reward_request_rows,
-                                     r.reward_token_file)
-            funcs[n].bind_tokenizer(tokenizer)
-    if JUDGE in names:
-        funcs[JUDGE] = load_judge_reward(r.judge_model, r.judge_max_new_tokens, cfg.data.judge_system_prompt,
-                                         cfg.model.dtype, cfg.model.trust_remote_code)
+            funcs[label] = remote_reward(n, r.reward_timeout, r.reward_retries, r.reward_backoff,
+                                         r.reward_request_rows, r.reward_token_file)
+            funcs[label].bind_tokenizer(tokenizer)
+        if n == JUDGE:
+            funcs[label] = load_judge_reward(r.judge_model, r.judge_max_new_tokens, cfg.data.judge_system_prompt,
+                                             cfg.model.dtype, cfg.model.trust_remote_code)
     reward_model = getattr(models, "reward", None)
     rm_tok = getattr(models, "reward_tokenizer", None)
     retok = None if rm_tok is None or same_tokenizer(tokenizer, rm_tok) else \
         Retokenizer(tokenizer, rm_tok, cfg.data.max_prompt_seq_len + cfg.rl.max_answer_seq_len)
-    return Scorer(RewardMixer(names, weights, funcs), tokenizer, reward_model, retok)
+    return Scorer(RewardMixer(names, weights, funcs, labels), tokenizer, reward_model, retok)
