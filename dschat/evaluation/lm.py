@@ -20,6 +20,7 @@ from dschat.devices import resolve_dtype
 from dschat.errors import UserError
 from dschat.losses import distill_sft_loss
 from dschat.models.loading import frozen_causal_lm, load_tokenizer, resolve_saved_model
+from dschat.training import oom
 from dschat.training.stage import eval_loader, lockstep_batches, to_device
 from dschat.utils import progress_bar
 
@@ -35,7 +36,11 @@ def evaluate_perplexity(model: Any, loader: Any, tick: Callable[[int], None] | N
     sums = torch.zeros(4, dtype=torch.float64)  # nll, answer tokens, T^2 * KL, top-1 agreements (token sums)
     for batch, real in lockstep_batches(loader):
         batch = to_device(batch, E.device())
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        logits = oom.split_on_oom(  # out of memory: the batch's halves (a row's logits do not depend on the others)
+            "eval", ids.shape[0], lambda a, b, ids=ids, mask=mask: model(input_ids=ids[a:b], attention_mask=mask[a:b],
+                                                                          use_cache=False).logits,
+            torch.cat, local=oom.rank_local(model))
         teacher_logits = None
         if distiller is not None:  # the teacher's forward is a collective under ZeRO-3: on filler batches too
             teacher_logits = distiller.teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -14,6 +14,7 @@ from dschat.rewards.functions import RM
 from dschat.rlhf.rollout import answer_logprobs, completion_texts, generate_rollout
 from dschat.rlhf.scoring import Scorer
 from dschat.stats import paired_se
+from dschat.training import memory
 from dschat.training.stage import lockstep_batches, to_device
 from dschat.utils import progress_bar
 
@@ -22,6 +23,7 @@ SAMPLES_KEPT = 8  # answers kept as text (``"samples"``) for the trackers' table
 
 
 @torch.no_grad()
+@memory.phase("eval")
 def evaluate(models: Any, hybrid: Any, loader: Any, gen: Any, temperature: float, seed: int,
              scorer: Scorer | None, detail: bool = False, tick: Callable[[int], None] | None = None,
              num_samples: int = 1, progress: bool = False) -> dict[str, Any]:

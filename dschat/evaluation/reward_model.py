@@ -23,6 +23,7 @@ from dschat import engine as E
 from dschat.config import DataArgs
 from dschat.data import PhaseData, load_phase
 from dschat.models.reward_model import RewardModel, check_reward_checkpoint
+from dschat.training import oom
 from dschat.training.stage import EvalLoader, lockstep_batches, to_device
 
 
@@ -57,7 +58,10 @@ def evaluate_reward(model: Any, loader: EvalLoader) -> RewardEval:
     sums = torch.zeros(7, dtype=torch.float64)  # wins, ties, pairs, sum_c, sum_x, sum_all, sumsq_all
     for batch, real in lockstep_batches(loader):
         batch = to_device(batch, dev)
-        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B, T)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        values = oom.split_on_oom(  # out of memory: the batch's halves, in order (a row's values are its own)
+            "eval", ids.shape[0], lambda a, b, ids=ids, mask=mask: model(input_ids=ids[a:b], attention_mask=mask[a:b]),
+            torch.cat, local=oom.rank_local(model))  # (2B, T)
         if not real:
             continue
         scores = RewardModel.end_scores(values, batch["attention_mask"]).double().cpu()  # (2B,)

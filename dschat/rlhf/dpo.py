@@ -31,6 +31,7 @@ from dschat.rlhf.ema import ActorEMA, step_actor
 from dschat.rlhf.rollout import positions_from_mask
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import DPOArgs, DPOSpec
+from dschat.training import memory, oom
 from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
 EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
@@ -204,6 +205,7 @@ class DPO(DPOSpec):
         return {}
 
     @torch.no_grad()
+    @memory.phase("experience")
     def compute_reference(self, rows: list[dict[str, Any]]) -> None:
         """The reference's summed answer log-probs of every pair, once, stored in the rows (all ranks compute all
         rows: the sampler hands a rank different rows each epoch, and ZeRO-3 forwards are collective)."""
@@ -234,16 +236,17 @@ class DPO(DPOSpec):
                                                      for i in range(0, len(packs), size)]
         else:  # micro-batches of `size` pairs: a chunk's chosen rows, then its rejected rows
             chunks = [torch.cat([idx, idx + B]) for idx in torch.arange(B, device=b["input_ids"].device).split(size)]
-        for chunk in chunks:
-            if isinstance(chunk, dict):
-                ref = chunk.get("ref_logps")
-                logps, lengths = packed_sequence_logps(actor, chunk)
-            else:
-                ref = b["ref_logps"][chunk] if "ref_logps" in b else None
-                logps, lengths = pair_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
-                                            b["prompt_len"][chunk])
-            out = pair_loss(self.a, logps, lengths, ref)
-            step_actor(actor, out.loss, self.ema)
+        for i, chunk in enumerate(chunks, 1):
+            with memory.phase("train_actor"), oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                if isinstance(chunk, dict):
+                    ref = chunk.get("ref_logps")
+                    logps, lengths = packed_sequence_logps(actor, chunk)
+                else:
+                    ref = b["ref_logps"][chunk] if "ref_logps" in b else None
+                    logps, lengths = pair_logps(actor, b["input_ids"][chunk], b["attention_mask"][chunk],
+                                                b["prompt_len"][chunk])
+                out = pair_loss(self.a, logps, lengths, ref)
+                step_actor(actor, out.loss, self.ema)
             for k, v in pair_stats(out, logps, ref).items():
                 sums[k] = sums.get(k, 0.0) + v / len(chunks)
         names = sorted(sums)
@@ -251,9 +254,10 @@ class DPO(DPOSpec):
         metrics = {f"train/{'actor_loss' if k == 'loss' else k}": v for k, v in zip(names, reduced, strict=True)}
         pairs = E.all_reduce_sum(torch.tensor(float(B))).item()
         return {**metrics, "time/training_s": time.time() - t0,
-                "time/pairs_per_s": pairs / max(time.time() - t0, 1e-9)}, 0
+                "time/pairs_per_s": pairs / max(time.time() - t0, 1e-9), **memory.take()}, 0
 
     @torch.no_grad()
+    @memory.phase("eval")
     def evaluate(self, loader: EvalLoader) -> dict[str, Any]:
         """Held-out implicit-reward accuracy, margin, log-probs and log-ratio to the reference over pairs; with
         reward sources, also the reward of sampled answers to the pairs' prompts (``evaluation.evaluate``)."""

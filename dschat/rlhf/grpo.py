@@ -35,6 +35,7 @@ from dschat.rlhf.rollout import (
 )
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import GRPOSpec
+from dschat.training import memory, oom
 from dschat.training.stage import EpochStream, to_device
 
 
@@ -144,6 +145,7 @@ class GRPO(OnPolicy, GRPOSpec):
         return {"loss_type": self.loss_type}
 
     @torch.no_grad()
+    @memory.phase("experience")
     def make_groups(self, stream: EpochStream) -> tuple[GroupBatch | None, dict[str, float], int]:
         """Generate ``num_generations`` completions per prompt of the next batch, score them and compute group
         advantages. With dynamic sampling, groups whose rewards are all equal (no gradient) are dropped and
@@ -226,6 +228,7 @@ class GRPO(OnPolicy, GRPOSpec):
                                      None if baselines is None else baselines.to(dev)).to(dev)
         return GroupBatch(rollout, rewards.to(dev), advantages, old, ref), stats, dropped
 
+    @memory.phase("train_actor")
     def update(self, batch: GroupBatch) -> dict[str, float]:
         """``num_iterations`` passes of GRPO-family policy steps (``L.grpo_policy_loss``) over one generation."""
         g, actor, rl = self.g, self.models.actor, self.cfg.rl
@@ -235,19 +238,20 @@ class GRPO(OnPolicy, GRPOSpec):
             mbs = batch.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle)
             normalizers = optimizer_step_normalizers(mbs, self.loss_type, rl.max_answer_seq_len, actor.micro_steps,
                                                      self.cfg.optim.gradient_accumulation_steps)
-            for mb, normalizer in zip(mbs, normalizers, strict=True):
-                logprobs = answer_logprobs(actor, mb.rollout, rl.temperature)
-                old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-                weights, gap = importance_weights(mb.rollout, old, rl.vllm_importance_sampling,
-                                                  rl.vllm_importance_sampling_cap)
-                out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon,
-                                         self.eps_high, self.loss_type,  # type: ignore[arg-type]
-                                         ref_logprobs=mb.ref_logprobs,
-                                         beta=self.beta if mb.ref_logprobs is not None else 0.0,
-                                         kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
-                                         max_completion_length=rl.max_answer_seq_len, normalizer=normalizer,
-                                         weights=weights)
-                step_actor(actor, out.loss, self.ema)
+            for i, (mb, normalizer) in enumerate(zip(mbs, normalizers, strict=True), 1):
+                with oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                    logprobs = answer_logprobs(actor, mb.rollout, rl.temperature)
+                    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+                    weights, gap = importance_weights(mb.rollout, old, rl.vllm_importance_sampling,
+                                                      rl.vllm_importance_sampling_cap)
+                    out = L.grpo_policy_loss(logprobs, old, mb.advantages, mb.rollout.action_mask, g.epsilon,
+                                             self.eps_high, self.loss_type,  # type: ignore[arg-type]
+                                             ref_logprobs=mb.ref_logprobs,
+                                             beta=self.beta if mb.ref_logprobs is not None else 0.0,
+                                             kl_estimator=g.kl_estimator,  # type: ignore[arg-type]
+                                             max_completion_length=rl.max_answer_seq_len, normalizer=normalizer,
+                                             weights=weights)
+                    step_actor(actor, out.loss, self.ema)
                 stats = {"train/actor_loss": out.loss, "train/clip_ratio_low": out.clip_ratio_low,
                          "train/clip_ratio_high": out.clip_ratio_high, "train/clip_ratio": out.clip_ratio,
                          # the sampled tokens' negative log-probability: an estimate of the policy's entropy
@@ -275,4 +279,5 @@ class GRPO(OnPolicy, GRPOSpec):
         names = sorted(stats)
         reduced = dict(zip(names, E.all_reduce_mean(torch.tensor([stats[k] for k in names])).tolist(), strict=True))
         return {**reduced, **train, "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
-                "time/training_s": train_time, "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
+                "time/training_s": train_time, "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9),
+                **memory.take()}, dropped

@@ -36,6 +36,7 @@ from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import OnlineDPOSpec
+from dschat.training import memory, oom
 from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
 
 SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs", "onpolicy_implicit_accuracy", "onpolicy_pairs")
@@ -72,6 +73,7 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         return dict(self.totals)
 
     @torch.no_grad()
+    @memory.phase("experience")
     def make_pairs(self, stream: EpochStream) -> tuple[Rollout, torch.Tensor | None, dict[str, float], int]:
         """Sample G answers per prompt of the next batch, score them and pair best with worst.
 
@@ -109,18 +111,20 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
             ref = rollout_logps(m.ref, selected)[0]  # once per step, the frozen initial policy
         return selected, ref, stats, dropped
 
+    @memory.phase("train_actor")
     def update(self, pairs: Rollout, ref: torch.Tensor | None) -> dict[str, float]:
         """DPO steps over the step's ``M`` pairs (chosen rows first), ``--per-device-train-batch-size`` per
         micro-batch; the metrics are means over micro-batches and ranks."""
         M, actor = pairs.sequences.shape[0] // 2, self.models.actor
         sums: dict[str, float] = {}
         chunks = torch.arange(M).split(self.cfg.optim.per_device_train_batch_size)
-        for idx in chunks:
+        for i, idx in enumerate(chunks, 1):
             rows = torch.cat([idx, idx + M])  # the chunk's chosen rows, then its rejected rows
-            logps, lengths = rollout_logps(actor, pairs.select(rows.to(pairs.sequences.device)))
-            r = ref[rows.to(ref.device)] if ref is not None else None
-            out = pair_loss(self.a, logps, lengths, r)
-            step_actor(actor, out.loss, self.ema)
+            with oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                logps, lengths = rollout_logps(actor, pairs.select(rows.to(pairs.sequences.device)))
+                r = ref[rows.to(ref.device)] if ref is not None else None
+                out = pair_loss(self.a, logps, lengths, r)
+                step_actor(actor, out.loss, self.ema)
             for k, v in pair_stats(out, logps, r).items():
                 sums[k] = sums.get(k, 0.0) + v / len(chunks)
         if not sums:
@@ -146,9 +150,10 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         counts = {k: stats[k] for k in stats if k not in reduced}
         return {**reduced, **counts, **train, "time/generation_s": gen_time,
                 "time/experience_s": exp_time - gen_time, "time/training_s": train_time,
-                "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
+                "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9), **memory.take()}, dropped
 
     @torch.no_grad()
+    @memory.phase("eval")
     def evaluate(self, loader: EvalLoader) -> dict[str, Any]:
         """The sampling algorithms' evaluation (reward of answers to the held-out prompts, KL), plus offline DPO's
         implicit-reward metrics on the pairs of the held-out rows that have one (``pairs_of``)."""

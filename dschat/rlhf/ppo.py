@@ -33,6 +33,7 @@ from dschat.rlhf.rollout import (
 )
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import PPOSpec
+from dschat.training import memory, oom
 from dschat.training.stage import EpochStream, to_device, train_loader
 
 
@@ -111,6 +112,7 @@ class PPO(OnPolicy, PPOSpec):
         return raw, score
 
     @torch.no_grad()
+    @memory.phase("experience")
     def make_experience(self, batch: dict[str, Any]) -> tuple[Experience, int]:
         m, p, temp = self.models, self.p, self.cfg.rl.temperature
         rollout, dropped = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen,
@@ -161,7 +163,7 @@ class PPO(OnPolicy, PPOSpec):
                 "train/answer_length": length, "train/eos_rate": eos_rate, **stats,
                 "time/generation_s": gen_time, "time/experience_s": exp_time - gen_time,
                 "time/training_s": train_time,
-                "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9)}, dropped
+                "time/tokens_per_s": tokens / max(exp_time + train_time, 1e-9), **memory.take()}, dropped
 
     def update(self, exp: Experience) -> dict[str, float]:
         """``ppo_epochs`` passes of clipped-surrogate actor steps and clipped-value critic steps over ``exp``."""
@@ -169,29 +171,32 @@ class PPO(OnPolicy, PPOSpec):
         sums: dict[str, float] = {}
         n = 0
         for _ in range(p.ppo_epochs):
-            for mb in exp.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle):
+            for i, mb in enumerate(exp.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle), 1):
                 mask = mb.rollout.action_mask
-                logprobs = answer_logprobs(m.actor, mb.rollout, self.cfg.rl.temperature)
-                weights, gap = importance_weights(mb.rollout, mb.old_logprobs, self.cfg.rl.vllm_importance_sampling,
-                                                  self.cfg.rl.vllm_importance_sampling_cap)
-                actor = L.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, p.cliprange, weights)
-                for key, value in gap.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                steps_before = m.actor.global_steps
-                m.actor.backward(actor.loss)
-                E.optimizer_step(m.actor)
-                if self.unsup is not None:
-                    batch = to_device(next(self.unsup), E.device())
-                    lm_loss = m.actor(**batch, use_cache=False).loss
-                    m.actor.backward(p.unsup_coef * lm_loss)
+                with memory.phase("train_actor"), oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                    logprobs = answer_logprobs(m.actor, mb.rollout, self.cfg.rl.temperature)
+                    weights, gap = importance_weights(mb.rollout, mb.old_logprobs,
+                                                      self.cfg.rl.vllm_importance_sampling,
+                                                      self.cfg.rl.vllm_importance_sampling_cap)
+                    actor = L.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, p.cliprange, weights)
+                    for key, value in gap.items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    steps_before = m.actor.global_steps
+                    m.actor.backward(actor.loss)
                     E.optimizer_step(m.actor)
-                    sums["train/unsup_loss"] = sums.get("train/unsup_loss", 0.0) + lm_loss.item()
-                if self.ema is not None and m.actor.global_steps != steps_before:
-                    self.ema.update(m.actor)
-                values = answer_values(m.critic, mb.rollout)
-                critic = L.ppo_value_loss(values, mb.old_values, mb.returns, mask, p.cliprange_value)
-                m.critic.backward(critic.loss)
-                E.optimizer_step(m.critic)
+                    if self.unsup is not None:
+                        batch = to_device(next(self.unsup), E.device())
+                        lm_loss = m.actor(**batch, use_cache=False).loss
+                        m.actor.backward(p.unsup_coef * lm_loss)
+                        E.optimizer_step(m.actor)
+                        sums["train/unsup_loss"] = sums.get("train/unsup_loss", 0.0) + lm_loss.item()
+                    if self.ema is not None and m.actor.global_steps != steps_before:
+                        self.ema.update(m.actor)
+                with memory.phase("train_critic"), oom.training_micro_batch("train_critic", i, oom.last_state_kept):
+                    values = answer_values(m.critic, mb.rollout)
+                    critic = L.ppo_value_loss(values, mb.old_values, mb.returns, mask, p.cliprange_value)
+                    m.critic.backward(critic.loss)
+                    E.optimizer_step(m.critic)
                 for key, value in (("train/actor_loss", actor.loss), ("train/critic_loss", critic.loss),
                                    ("train/actor_clip_frac", actor.clip_frac),
                                    ("train/critic_clip_frac", critic.clip_frac),

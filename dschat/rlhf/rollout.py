@@ -29,6 +29,7 @@ from dschat.data.packing import (
 )
 from dschat.generation.decode import decode_answers
 from dschat.models.logits import token_logps
+from dschat.training import memory, oom
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -82,10 +83,29 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
     return Rollout(seq, mask, action_mask, P, reached_eos, logprobs, engine_logprobs), int(short.sum())
 
 
+def by_halves(site: str, model: Any, rollout: Rollout, forward: Any) -> torch.Tensor:
+    """``forward(rollout)`` ``(B, ...)``; without gradient, a forward that runs out of memory runs on the halves of
+    the rows instead (``dschat.training.oom``; the rows' results do not depend on the rows beside them). With
+    gradient (training) the error goes on: a training micro-batch stops the run."""
+    if torch.is_grad_enabled():
+        return forward(rollout)
+    rows, dev = rollout.sequences.shape[0], rollout.sequences.device
+
+    def run(a: int, b: int) -> torch.Tensor:
+        return forward(rollout if (a, b) == (0, rows) else rollout.select(torch.arange(a, b, device=dev)))
+
+    return oom.split_on_oom(site, rows, run, torch.cat, local=oom.rank_local(model))
+
+
 def answer_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs ``(B, A)`` float32 of the answer tokens under ``model`` (an engine or a module); 0 where the
     action mask is 0 (the output layer runs only on answer tokens: ``dschat.models.logits``). Rows with the same prompt
-    (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``)."""
+    (a group's completions) run with that prompt once where it pays (``shared_prompt_inputs``). Without gradient,
+    split in halves on out of memory (``by_halves``)."""
+    return by_halves("experience", model, rollout, lambda r: _answer_logprobs(model, r, temperature))
+
+
+def _answer_logprobs(model: Any, rollout: Rollout, temperature: float) -> torch.Tensor:
     rows, t = rollout.action_mask.nonzero(as_tuple=True)
     P = rollout.prompt_len
     shared = shared_prompt_inputs(model, rollout)
@@ -202,19 +222,38 @@ def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: s
 
 
 def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
-    """Critic values ``(B, A)`` of the state before each answer token."""
-    values = critic(rollout.sequences, rollout.attention_mask, positions_from_mask(rollout.attention_mask))
-    return values[:, rollout.prompt_len - 1: -1]
+    """Critic values ``(B, A)`` of the state before each answer token (without gradient, split in halves on out of
+    memory: ``by_halves``)."""
+    def forward(r: Rollout) -> torch.Tensor:
+        values = critic(r.sequences, r.attention_mask, positions_from_mask(r.attention_mask))
+        return values[:, r.prompt_len - 1: -1]
+
+    return by_halves("experience", critic, rollout, forward)
 
 
 def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: Any, seed: int | None = None,
                      min_answer_len: int = 2) -> tuple[Rollout, int]:
     """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them;
-    every algorithm's rollouts and evaluation come from here."""
-    out = hybrid.sample(batch["prompt"], batch["prompt_att_mask"], gen, generator_seed=seed)
-    return make_rollout(batch["prompt"], batch["prompt_att_mask"], out.sequences, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, min_answer_len=min_answer_len, logprobs=out.logprobs,
-                        engine_logprobs=out.engine_logprobs)
+    every algorithm's rollouts and evaluation come from here (the ``generate`` phase of ``memory``).
+
+    A generation that runs out of memory samples the halves of the batch instead (``dschat.training.oom``), their
+    rollouts joined in the batch's order (answers right-padded to the longer half's). Greedy answers are those
+    of the whole batch; sampled ones are drawn afresh for each half, from the same distribution, but not the same
+    draws: the sampler's random stream is consumed per batch (docs/planning.md, Out of memory)."""
+    prompt, mask = batch["prompt"], batch["prompt_att_mask"]
+
+    def run(a: int, b: int) -> tuple[Rollout, int]:
+        p, m = (prompt, mask) if (a, b) == (0, prompt.shape[0]) else (prompt[a:b], mask[a:b])
+        out = hybrid.sample(p, m, gen, generator_seed=seed)
+        return make_rollout(p, m, out.sequences, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                            min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs)
+
+    def join(parts: list[tuple[Rollout, int]]) -> tuple[Rollout, int]:
+        return concat_rollouts([r for r, _ in parts], tokenizer.pad_token_id), sum(d for _, d in parts)
+
+    with memory.phase("generate"):
+        return oom.split_on_oom("generate", prompt.shape[0], run, join,
+                                local=oom.rank_local(getattr(hybrid, "actor", None)))
 
 
 def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:

@@ -20,7 +20,9 @@ from dschat.data.packing import check_packing
 from dschat.devices import resolve_dtype
 from dschat.models.loading import load_tokenizer, resolve_model
 from dschat.models.lora import lora_param_groups
+from dschat.training import memory, oom
 from dschat.training.health import HealthMonitor
+from dschat.training.run_tracker import RunTracker
 from dschat.training.stage import (
     ResumableLoop,
     Stage,
@@ -30,7 +32,6 @@ from dschat.training.stage import (
     plan_steps,
     training_loader,
 )
-from dschat.training.run_tracker import RunTracker
 
 
 @dataclass
@@ -102,7 +103,8 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
               f"{cfg.engine.zero_stage} | world {E.world_size()}")
 
     def evaluation() -> dict[str, Any]:
-        return spec.evaluate(engine, evals) if data.eval else {}
+        with memory.phase("eval"):
+            return spec.evaluate(engine, evals) if data.eval else {}
 
     def eval_scalars(metrics: dict[str, Any]) -> dict[str, Any]:
         return {f"eval/{k}": metrics[k] for k in spec.logged}
@@ -113,7 +115,7 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     before = state.get("before") or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_steps, cfg.run.progress, desc=spec.name.split("_")[-1])
     if before and loop.resumed_from is None:
-        tracker.log(0, eval_scalars(before))
+        tracker.log(0, eval_scalars(before) | memory.take())
 
     engine.train()
     accum = cfg.optim.gradient_accumulation_steps
@@ -127,8 +129,20 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
     window: dict[str, float] = {}  # summed over the micro-batches of one optimizer step
     t0 = [time.time()]
 
+    micro = [0]  # micro-batches of the optimizer step under way
+
+    def keep_state() -> str:  # after a micro-batch ran out of memory: the last optimizer step's state
+        if E.world_size() > 1:  # saving is collective, and the other ranks are elsewhere
+            return oom.last_state_kept()
+        saved = loop.save()
+        return f"kept the state of step {loop.step}: {saved}; continue with --resume" if saved else \
+            oom.last_state_kept()
+
     def micro_step(batch: dict[str, Any]) -> None:
-        for k, v in spec.micro_step(engine, batch).items():
+        micro[0] += 1
+        with memory.phase("train"), oom.training_micro_batch("train", micro[0], keep_state):
+            stats = spec.micro_step(engine, batch)
+        for k, v in stats.items():
             window[k] = window.get(k, 0.0) + v
 
     def on_step(step: int, epoch: int) -> None:
@@ -145,23 +159,25 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
         loop.extras["last_loss"] = means["loss"]
         if step % cfg.run.log_interval == 0 or step == total_steps:
             row = {f"train/{k}": v for k, v in means.items()} | {"train/lr": engine.get_lr()[0], "train/epoch": epoch}
+            row.update(memory.take())
             if tokens is not None:
                 total = E.all_reduce_sum(torch.tensor(tokens, dtype=torch.float64)).item()
                 row["train/tokens_per_s"] = total / max(time.time() - t0[0], 1e-9)
             tracker.log(step, row)
         tracker.advance(1, **{k: means[k] for k in names[:2]})
         window.clear()
+        micro[0] = 0
         t0[0] = time.time()
         if cfg.run.eval_interval and step % cfg.run.eval_interval == 0 and step < total_steps and data.eval:
             scalars = eval_scalars(evaluation())
-            tracker.log(step, scalars)
+            tracker.log(step, scalars | memory.take())
             health.observe(step, scalars)
 
     try:
         loop.run(loader, epochs, total_steps, micro_step, on_step)
         after = evaluation()
         if after:
-            tracker.log(loop.step, eval_scalars(after))
+            tracker.log(loop.step, eval_scalars(after) | memory.take())
             health.observe(loop.step, eval_scalars(after))
             health.respond(loop, final=True)
     finally:

@@ -174,4 +174,8 @@ def exit_status(error: BaseException | None) -> str:
 
 
 def write_eval(output_dir: str | Path, metrics: dict[str, Any]) -> None:
-    write_json(Path(output_dir) / "eval.json", metrics)
+    """eval.json: the stage's final metrics, with the run's peak memory per phase (``memory.summary``)."""
+    from dschat.training import memory
+
+    peaks = memory.summary()
+    write_json(Path(output_dir) / "eval.json", {**metrics, "memory": peaks} if peaks else metrics)

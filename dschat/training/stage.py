@@ -21,6 +21,7 @@ from dschat.config import DataArgs, OptimArgs, RunArgs, to_flat_dict
 from dschat.data.packing import LengthGroupedSampler, best_capacity, pack_rows
 from dschat.errors import ExitCode, UserError
 from dschat.models.loading import TINY
+from dschat.training import memory, oom
 from dschat.training.lock import claim_output_dir
 from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
 from dschat.training.sinks import RUN_IDS, check_trackers
@@ -74,6 +75,9 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
             shutil.rmtree(checkpoint_root(out), ignore_errors=True)
         write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
     E.barrier()
+    memory.reset()  # this run's figures only (a rollback runs the stage again in this process)
+    if (line := oom.begin_run(name, to_flat_dict(cfg), out, E.world_size())) is not None:
+        stage.log(line)
     return stage
 
 

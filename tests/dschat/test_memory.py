@@ -1,0 +1,253 @@
+"""Memory per phase (dschat.training.memory) and out-of-memory handling (dschat.training.oom): the meter's
+arithmetic on scripted probes, the CPU probe on this host, forwards split in halves giving the unsplit results,
+and a training micro-batch out of memory stopping with exit 4 and a state that --resume finishes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dschat.training import memory, oom
+from dschat.training.memory import CudaProbe, MemoryMeter, MiB, RssProbe
+
+
+class Scripted:
+    """A probe whose current bytes the test sets; the peak follows them and a reset brings it to the current."""
+
+    def __init__(self) -> None:
+        self.now = self.top = 0
+
+    def use(self, n: int) -> None:
+        self.now = n
+        self.top = max(self.top, n)
+
+    def reset(self) -> None:
+        self.top = self.now
+
+    def read(self) -> dict[str, int]:
+        return {"peak_rss": self.top}
+
+
+def test_nested_phases_count_their_own_peaks() -> None:
+    probe = Scripted()
+    meter = MemoryMeter(probe)
+    with meter.phase("experience"):
+        probe.use(10 * MiB)
+        with meter.phase("generate"):
+            probe.use(50 * MiB)  # the KV cache
+            probe.use(12 * MiB)  # freed at the end of generation
+        probe.use(20 * MiB)  # the reference forward
+        with meter.phase("experience"):  # the same phase again inside: part of the outer block
+            probe.use(25 * MiB)
+        probe.use(0)
+    with meter.phase("train_actor"):
+        probe.use(30 * MiB)
+    # experience: its own peak (10 before generating, then 20 and 25 after), not generation's 50
+    assert meter.take() == {"memory/experience_peak_rss_mib": 25.0, "memory/generate_peak_rss_mib": 50.0,
+                            "memory/train_actor_peak_rss_mib": 30.0, "memory/oom_splits": 0.0}
+    assert meter.take() == {}  # taken: nothing new
+    with meter.phase("generate"):
+        probe.use(40 * MiB)
+    assert meter.take()["memory/generate_peak_rss_mib"] == 40.0  # since the last take
+    assert meter.summary() == {"peak_mib": 50.0, "peak_figure": "peak_rss", "peak_phase": "generate",
+                               "oom_splits": 0,
+                               "phases": {"experience": {"peak_rss": 25.0}, "generate": {"peak_rss": 50.0},
+                                          "train_actor": {"peak_rss": 30.0}}}
+
+
+class FakeCuda:
+    """``torch.cuda``'s memory calls over scripted figures."""
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = 0
+        self.max_allocated = self.max_reserved = 0
+        self.total, self.used_by_others = 80 * 1024 * MiB, 600 * MiB
+        self.resets = 0
+
+    def alloc(self, n: int, reserve: int) -> None:
+        self.allocated, self.reserved = n, max(self.reserved, reserve)
+        self.max_allocated, self.max_reserved = max(self.max_allocated, n), max(self.max_reserved, self.reserved)
+
+    def reset_peak_memory_stats(self, device: object = None) -> None:
+        self.resets += 1
+        self.max_allocated, self.max_reserved = self.allocated, self.reserved
+
+    def max_memory_allocated(self, device: object = None) -> int:
+        return self.max_allocated
+
+    def max_memory_reserved(self, device: object = None) -> int:
+        return self.max_reserved
+
+    def mem_get_info(self, device: object = None) -> tuple[int, int]:
+        return self.total - self.reserved - self.used_by_others, self.total
+
+
+def test_cuda_figures_reset_per_phase() -> None:
+    cuda = FakeCuda()
+    meter = MemoryMeter(CudaProbe(0, cuda))
+    with meter.phase("generate"):
+        cuda.alloc(3000 * MiB, 4096 * MiB)
+        cuda.alloc(1000 * MiB, 4096 * MiB)
+    with meter.phase("train_actor"):
+        cuda.alloc(2000 * MiB, 5120 * MiB)
+    figures = meter.take()
+    # generate: allocated peaked at 3000, reserved 4096; the device's used total = reserved + other processes' 600
+    assert figures["memory/generate_peak_allocated_mib"] == 3000.0
+    assert figures["memory/generate_peak_reserved_mib"] == 4096.0
+    assert figures["memory/generate_device_used_mib"] == 4696.0
+    # train_actor's peaks start from the reset at its start (1000 allocated then), not generation's 3000
+    assert figures["memory/train_actor_peak_allocated_mib"] == 2000.0
+    assert figures["memory/train_actor_peak_reserved_mib"] == 5120.0
+    assert cuda.resets == 4  # at each block's start and end
+    assert meter.summary()["peak_figure"] == "device_used" and meter.summary()["peak_mib"] == 5720.0
+
+
+def test_cpu_peak_rss_resets_per_phase_on_this_host() -> None:
+    probe = RssProbe()
+    meter = MemoryMeter(probe)
+    with meter.phase("big"):
+        block = bytearray(96 * MiB)
+        block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+        del block
+    with meter.phase("small"):
+        pass
+    figures = meter.take()
+    assert probe.resettable, "/proc/self/clear_refs refused the reset on this host"
+    assert figures["memory/big_peak_rss_mib"] - figures["memory/small_peak_rss_mib"] > 80
+
+
+def test_split_on_oom_runs_halves_in_order_and_counts(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    memory.reset(Scripted())
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(oom, "INJECT", lambda site, n: site == "eval" and n > 2)  # any forward over 3+ rows
+
+    def run(a: int, b: int) -> torch.Tensor:
+        calls.append((a, b))
+        return torch.arange(a, b) * 10
+
+    out = oom.split_on_oom("eval", 7, run, torch.cat)
+    assert out.tolist() == [0, 10, 20, 30, 40, 50, 60]  # the unsplit result
+    assert calls == [(0, 1), (1, 3), (3, 5), (5, 7)]  # 7 -> 3 + 4 -> (1 + 2) + (2 + 2)
+    assert memory.METER.oom_splits == 3 and memory.take()["memory/oom_splits"] == 3.0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "[memory] out of memory in eval over 7 rows: running halves of 3 and 4 rows " \
+                       "(memory/oom_splits 1)" and len(lines) == 3
+    with pytest.raises(torch.OutOfMemoryError):  # a collective forward is not split
+        oom.split_on_oom("eval", 7, run, torch.cat, local=False)
+    monkeypatch.setattr(oom, "INJECT", lambda site, n: True)
+    with pytest.raises(torch.OutOfMemoryError):  # one row that does not fit: nothing left to split
+        oom.split_on_oom("eval", 2, run, torch.cat)
+    monkeypatch.setattr(oom, "INJECT", None)
+    with pytest.raises(ValueError):  # any other error goes on at once
+        oom.split_on_oom("eval", 4, lambda a, b: (_ for _ in ()).throw(ValueError("x")), torch.cat)
+
+
+@pytest.fixture(scope="module")
+def tiny_actor():
+    from dschat import engine as E
+    from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
+
+    E.setup_distributed()
+    path = resolve_model("tiny")
+    return create_causal_lm(path).eval(), load_tokenizer(path)
+
+
+def _prompts(tok):
+    texts = ["\n\nHuman: Where is my refund?\n\nAssistant:", "\n\nHuman: 2 + 3 =\n\nAssistant:",
+             "\n\nHuman: Name a colour.\n\nAssistant:", "\n\nHuman: Hi\n\nAssistant:"]
+    enc = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, enc))
+    prompt = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in enc])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(e) for e in enc])[:, None]).long()
+    return {"prompt": prompt, "prompt_att_mask": mask}
+
+
+def test_generation_oom_splits_and_greedy_answers_equal_the_unsplit(tiny_actor, monkeypatch) -> None:
+    from dschat.generation.decode import GenerationConfig
+    from dschat.generation.hybrid_engine import HybridEngine
+    from dschat.rlhf.rollout import answer_logprobs, generate_rollout
+
+    model, tok = tiny_actor
+    hybrid = HybridEngine(model, tok.pad_token_id, tok.eos_token_id)
+    batch, greedy = _prompts(tok), GenerationConfig(max_new_tokens=10, do_sample=False)
+    memory.reset(Scripted())
+    whole, dropped = generate_rollout(hybrid, tok, batch, greedy)
+    monkeypatch.setattr(oom, "INJECT", lambda site, n: site == "generate" and n == 4)
+    split, dropped_split = generate_rollout(hybrid, tok, batch, greedy)
+    assert memory.METER.oom_splits == 1 and dropped_split == dropped
+    for name in ("sequences", "attention_mask", "action_mask", "reached_eos"):
+        assert torch.equal(getattr(split, name), getattr(whole, name)), name
+    # sampled: each half draws afresh (the sampler's stream runs per batch), same rows and prompts
+    sampled, _ = generate_rollout(hybrid, tok, batch, GenerationConfig(max_new_tokens=10, temperature=1.0), seed=3)
+    assert sampled.sequences.shape[0] == 4 and memory.METER.oom_splits == 2
+    assert torch.equal(sampled.sequences[:, : whole.prompt_len], batch["prompt"])
+
+    # the experience forwards: without gradient a forward out of memory runs on halves, same log-probs
+    monkeypatch.setattr(oom, "INJECT", None)
+    with torch.no_grad():
+        logps = answer_logprobs(model, whole)
+    monkeypatch.setattr(oom, "INJECT", lambda site, n: site == "experience" and n == 4)
+    with torch.no_grad():
+        halves = answer_logprobs(model, whole)
+    assert memory.METER.oom_splits == 3
+    assert torch.allclose(halves, logps, atol=1e-6, rtol=0)
+    trained = answer_logprobs(model, whole)  # with gradient (a training forward): never split, nothing injected
+    assert trained.requires_grad and memory.METER.oom_splits == 3
+
+
+def test_value_and_reward_forwards_split_give_the_same_values(tiny_actor, monkeypatch) -> None:
+    from dschat.models.loading import create_reward_model, resolve_model
+    from dschat.rlhf.rollout import answer_values, make_rollout
+    from dschat.rlhf.scoring import score_rows
+
+    _, tok = tiny_actor
+    critic = create_reward_model(resolve_model("tiny"), pad_token_id=tok.pad_token_id).eval()
+    batch = _prompts(tok)
+    answers = torch.tensor([[5, 6, tok.eos_token_id], [7, 8, 9], [10, tok.eos_token_id, 0], [11, 12, 13]])
+    rollout, _ = make_rollout(batch["prompt"], batch["prompt_att_mask"], torch.cat([batch["prompt"], answers], 1),
+                              tok.eos_token_id, tok.pad_token_id)
+    memory.reset(Scripted())
+    with torch.no_grad():
+        values = answer_values(critic, rollout)
+        rows = [list(range(3, 3 + n)) for n in (5, 9, 7, 6)]
+        scores = score_rows(critic, rows, tok.pad_token_id)
+    monkeypatch.setattr(oom, "INJECT", lambda site, n: site in ("experience", "score") and n > 1)
+    with torch.no_grad():
+        assert torch.allclose(answer_values(critic, rollout), values, atol=1e-6, rtol=0)
+        assert torch.equal(score_rows(critic, rows, tok.pad_token_id), scores)  # a row scores alone anyway
+    assert memory.METER.oom_splits > 0
+
+
+@pytest.mark.slow
+def test_training_oom_stops_with_exit_4_one_line_and_a_state_resume_finishes(tmp_path, monkeypatch, capsys) -> None:
+    from dschat.cli.options import run_command
+    from dschat.cli.train import stage_module
+    from tests.helpers import read_json
+
+    out = tmp_path / "s1"
+    argv = ["--model", "tiny", "--output-dir", str(out), "--max-steps", "3", "--max-eval-rows", "4",
+            "--per-device-train-batch-size", "4", "--no-progress"]
+    seen = {"train train": 0}
+
+    def inject(site: str, n: int) -> bool:
+        if site == "train train":
+            seen[site] += 1
+            return seen[site] == 3  # the first micro-batch of step 3
+        return False
+
+    monkeypatch.setattr(oom, "INJECT", inject)
+    with pytest.raises(SystemExit) as stopped:
+        run_command(stage_module(1).command, argv)
+    assert stopped.value.code == 4
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dschat:")]
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith("dschat: error: out of memory in stage 1, phase train, micro-batch 1: the plan's peak ")
+    assert "kept the state of step 2" in line and "continue with --resume" in line
+    assert not (out / "eval.json").exists() and (out / "checkpoints" / "latest").exists()
+
+    monkeypatch.setattr(oom, "INJECT", None)
+    run_command(stage_module(1).command, [*argv, "--resume"])  # returns: no exit code but 0
+    assert "resumed from" in capsys.readouterr().err
+    ev = read_json(out / "eval.json")
+    assert ev["steps"] == 3 and ev["memory"]["phases"]["train"]["peak_rss"] > 0
