@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dschat.errors import UserError
+from dschat.units import fmt_bytes
 
 _ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _SAYS_FULL = ("no space left on device", "disk quota exceeded")
@@ -53,15 +54,10 @@ def free_bytes(path: str | Path) -> int | None:
         return None
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "unknown space"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+def free_text(path: str | Path) -> str:
+    """The free space of ``path``'s filesystem as a phrase (``1.50 GiB``, or ``unknown space``)."""
+    free = free_bytes(path)
+    return "unknown space" if free is None else fmt_bytes(free)
 
 
 def is_disk_full(exc: BaseException, path: str | Path | None = None) -> bool:
@@ -91,7 +87,7 @@ def remove_quietly(paths: Iterable[str | Path]) -> None:
 def disk_full_error(what: str, path: str | Path, kept: str = "") -> DiskFull:
     where = existing_parent(path)
     tail = f"; {kept}" if kept else ""
-    return DiskFull(f"disk full while writing {what} ({path}): {human_bytes(free_bytes(where))} free on the "
+    return DiskFull(f"disk full while writing {what} ({path}): {free_text(where)} free on the "
                     f"filesystem of {where}{tail}")
 
 

@@ -1,4 +1,4 @@
-"""``dschat doctor --step N [stage flags]``: check a planned run without training (``dschat.planning.doctor``).
+"""``dschat doctor --step N [stage flags]``: check a planned run without training (``dschat.doctor``).
 
 The stage flags are parsed as ``dschat train --step N`` parses them (``stage_values``, shared with ``dschat
 plan``): the same flags, spellings, types and ``--config FILE``. The checks run in the library; this module
@@ -56,7 +56,7 @@ def doctor_command(step: int | None, hostfile: str | None, master_port: int | No
             click.echo(command.get_help(click.Context(command, info_name=f"dschat doctor --step {step}")))
         return
     from dschat.cli.plan import stage_values
-    from dschat.planning.doctor import ERROR, Finding, run_doctor
+    from dschat.doctor import ERROR, Finding, run_doctor
 
     memory = None
     if gpu_memory is not None:

@@ -41,7 +41,7 @@ from dschat.data.formats import (
 )
 from dschat.data.sources import WHERE, DataSpec, RawDataset, load_source, source_fingerprint
 from dschat.data.usertext import encode_texts, keep_end, prompt_parts, single_bos
-from dschat.diskfull import DiskFull, free_bytes, human_bytes
+from dschat.diskfull import DiskFull, free_text
 from dschat.errors import UserError
 from dschat.prompts import read_system_prompt
 from dschat.utils import atomic_write_text, cache_root, stable_hash
@@ -59,6 +59,9 @@ class PhaseData:
     eval: list[dict[str, Any]]
     counts: dict[str, int] = field(default_factory=dict)
     sources: list[dict[str, Any]] = field(default_factory=list)
+    # Every malformed row dropped (counted under ``dropped_malformed``): ``{"source": name, "message": "file:line:
+    # why"}``, so a caller (``dschat doctor``) reads the records rather than the log lines.
+    malformed: list[dict[str, str]] = field(default_factory=list)
 
 
 def parse_split(text: str) -> list[float]:
@@ -99,7 +102,7 @@ def _weighted(rows: list[Any], weight: float) -> list[Any]:
 
 def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: int, phase: int,
                     data: DataArgs, judge_system: str | None = None,
-                    log: Any = print) -> tuple[str, list[Example], list[Example], Counter[str]]:
+                    log: Any = print) -> tuple[str, list[Example], list[Example], Counter[str], list[str]]:
     counts: Counter[str] = Counter()
     fmt = source_format(raw.train, raw.name)
 
@@ -119,7 +122,7 @@ def _prepare_source(raw: RawDataset, spec: DataSpec, split: list[float], seed: i
     evals, eval_problems = parse_rows(eval_rows, fmt, counts, judge_system)
     problems += eval_problems
     check_malformed(problems, len(train) + len(evals) + sum(counts.values()), raw.name, log, " in this phase")
-    return fmt, train, evals, counts
+    return fmt, train, evals, counts, problems
 
 
 def _encode(tokenizer: Any, texts: list[str], special: bool, parts: list[list[str | None]]) -> list[list[int]]:
@@ -303,10 +306,12 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     sources = []
+    malformed: list[dict[str, str]] = []
     for spec in specs:
         raw = load_source(spec)
-        fmt, tr, ev, c = _prepare_source(raw, spec, split, seed, phase, data, judge_system, log)
+        fmt, tr, ev, c, problems = _prepare_source(raw, spec, split, seed, phase, data, judge_system, log)
         counts.update(c)
+        malformed += [{"source": raw.name, "message": text} for text in problems]
         before = len(train)
         train += tokenize_examples(tr, shape, tokenizer, data, counts)
         evals += tokenize_examples(ev, shape, tokenizer, data, counts)
@@ -322,7 +327,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
                         f"{formats}; check --data, --data-split and --max-seq-len")
     counts["train_rows"] = len(train)
     counts["eval_rows"] = len(evals)
-    result = PhaseData(phase, train, evals, dict(counts), sources)
+    result = PhaseData(phase, train, evals, dict(counts), sources, malformed)
     log(count_line(phase, result.counts))
     if use_cache:
         _write_cache(cache_file, result, log)
@@ -347,5 +352,5 @@ def _write_cache(path: Path, result: PhaseData, log: Any) -> None:
     try:
         atomic_write_text(path, json.dumps(result.__dict__, ensure_ascii=False, separators=(",", ":")))
     except DiskFull:
-        log(f"data: disk full writing the tokenized cache {path} ({human_bytes(free_bytes(path.parent))} free); "
+        log(f"data: disk full writing the tokenized cache {path} ({free_text(path.parent)} free); "
             "continuing without it")

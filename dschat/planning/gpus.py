@@ -5,7 +5,8 @@ Memory is what ``nvidia-smi`` reports as the total (MiB); FLOPs are dense (no st
 accumulation, fp16 for the V100, which has no bf16.
 
 ``CPU`` is the gloo backend on a host's cores (tests, CI, a first try): its ranks share the host's memory, it
-computes in fp32, and its throughput and fixed cost were measured on a 2-core x86 VM (docs/planning.md, Checks).
+computes in fp32, and its throughput and fixed cost are the measured ones of docs/planning.md ("Checks", with the
+machine they were taken on).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from dschat.errors import UserError
+from dschat.units import fmt_bytes as fmt_bytes  # the planner's tables format with the one byte formatter
 
 GiB = 1024**3
 MiB = 1024**2
@@ -34,8 +36,8 @@ NCCL_BUFFSIZE = 4 * MiB
 NCCL_CHANNELS = 32
 NCCL_BUFFERS = NCCL_BUFFSIZE * 2 * 2 * NCCL_CHANNELS
 GPU_RESERVE = CUDA_CONTEXT + CUBLAS_WORKSPACES + CUDNN_WORKSPACE
-# A CPU rank's, beyond its imports: the data and tokenizer, DeepSpeed's setup and per-thread allocator arenas
-# (~240 MiB measured on one rank), plus gloo's process group and buffers with more than one rank (~55 MiB).
+# A CPU rank's, beyond its imports: the data and tokenizer, DeepSpeed's setup and per-thread allocator arenas, plus
+# gloo's process group and buffers with more than one rank (figures and how they were taken: docs/planning.md, Checks).
 CPU_RESERVE = 240 * MiB
 CPU_COLLECTIVE_RESERVE = 55 * MiB
 
@@ -87,7 +89,7 @@ GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
     GPU("A10G", 23028 * MiB, 70e12, 0.6e12),
     GPU("RTX 4090", 24564 * MiB, 165e12, 1.008e12),
     GPU("V100-32GB", 32768 * MiB, 125e12, 0.9e12, auto_dtype="fp16"),
-    # fp32 matmul and copy throughput of 2 cores of an x86 VM (torch, 2 threads); the memory is this host's
+    # fp32 matmul and copy throughput of a small CPU host (docs/planning.md, Checks); the memory is this host's
     GPU("CPU", host_memory(), 55e9, 13e9, auto_dtype="fp32", reserve=CPU_RESERVE,
         collective_reserve=CPU_COLLECTIVE_RESERVE, host=True),
 )}
@@ -125,11 +127,6 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def fmt_bytes(n: float) -> str:
-    """Bytes as GiB (or MiB below 1 GiB) with one or two decimals."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB"
 
 
 def fmt_rate(x: float, unit: str) -> str:

@@ -5,8 +5,9 @@ pid, host, start time and a random nonce into it. The kernel drops the lock when
 dies, so a lock left by a killed run is stale by construction: the next run takes it and says whose it was. A run
 that ends on its own (finished, or stopped with an error) clears its note as it exits, so the next run in the
 folder says nothing; only a killed holder's note is left to report.
-Where the filesystem has no locks (some network mounts) the file itself is the lock: a holder that is no longer
-alive on this host is taken over, one on another host is reported.
+Where flock gives no answer (a filesystem without locks, or a network mount refusing the call: ``NO_FLOCK``) the
+file itself is the lock: a holder that is no longer alive on this host is taken over, one on another host is
+reported. ``lock_state`` judges a folder the same way without keeping the lock (``dschat doctor``).
 
 Every other rank reads the nonce back from its own view of the output folder. A node whose folder is not the
 shared one (node-local disks, or a different ``--output-dir`` per node) sees no nonce or another one, and all
@@ -25,12 +26,17 @@ import secrets
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
 
 LOCK_NAME = ".dschat.lock"
+# flock errors that mean "no usable flock here", not "held": no locks on this filesystem (ENOLCK, EOPNOTSUPP,
+# ENOTSUP, EINVAL), or a network mount refusing the call (EBADF, EACCES: NFS emulates flock with a byte-range
+# lock, which needs the file open for writing and a running lock daemon). Then the note is the lock.
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.EBADF, errno.EACCES})
 _HELD: dict[str, tuple[int, dict[str, Any]]] = {}  # resolved folder -> (fd, our info); re-entrant per process
 
 
@@ -79,6 +85,62 @@ def _in_use(folder: Path, info: dict[str, Any]) -> UserError:
                      "another --output-dir")
 
 
+def _try_flock(fd: int) -> tuple[bool, OSError | None]:
+    """Try the exclusive lock without waiting: ``(taken, refusal)``. Not taken and no refusal: another process
+    holds it. A refusal (``NO_FLOCK``): this filesystem gives no answer, so the caller judges by the note."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True, None
+    except BlockingIOError:
+        return False, None
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise
+        return False, e
+
+
+def _held_by_note(info: dict[str, Any]) -> bool:
+    """Without a usable flock: a note from another host is taken as held, one from this host when its process lives."""
+    if info.get("pid") in (None, os.getpid()):
+        return False
+    return info.get("host") != socket.gethostname() or holder_alive(info)
+
+
+@dataclass
+class LockState:
+    """What ``lock_state`` found: whether a live run holds the folder (``held``), the holder's note (``info``), and
+    why the lock could not be tested directly, as one line (``refusal``; the note decided then). ``writable``
+    False: this user cannot open the lock file for writing, so a run would stop there."""
+
+    held: bool
+    info: dict[str, Any]
+    refusal: str | None = None
+    writable: bool = True
+
+
+def lock_state(folder: str | Path) -> LockState | None:
+    """Whether a live run holds ``folder``'s lock, judged as ``acquire`` judges it (the lock taken and released at
+    once; the note where flock gives no answer); None when the folder has no lock file. For ``dschat doctor``."""
+    path = Path(folder) / LOCK_NAME
+    if not path.is_file():
+        return None
+    info = _read_info(path, tries=1)
+    try:
+        fd = os.open(path, os.O_RDWR)  # as the run opens it: NFS grants flock only to a file open for writing
+    except OSError as e:
+        return LockState(_held_by_note(info), info, f"cannot open it for writing ({e.strerror})", writable=False)
+    try:
+        taken, refusal = _try_flock(fd)
+    finally:
+        os.close(fd)  # closing drops a lock just taken
+    if refusal is not None:
+        name = errno.errorcode.get(refusal.errno or 0, str(refusal.errno))
+        return LockState(_held_by_note(info), info, f"flock refused ({name}: {refusal.strerror})")
+    return LockState(not taken, info)
+
+
 def _note() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "nonce": secrets.token_hex(16),
@@ -105,17 +167,16 @@ def acquire(folder: str | Path, log: Any = None) -> dict[str, Any]:
     except OSError as e:
         raise UserError(f"--output-dir {folder}: cannot create {LOCK_NAME} there ({e.strerror})") from None
     try:
-        import fcntl
-
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        taken, refusal = _try_flock(fd)
+    except OSError:
         os.close(fd)
-        raise _in_use(folder, _read_info(path)) from None
-    except OSError as e:  # no locks on this filesystem: the note is the lock
+        raise
+    if refusal is not None:  # no usable flock on this filesystem: the note is the lock
         os.close(fd)
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-            raise
         return _acquire_by_note(folder, key, log)
+    if not taken:
+        os.close(fd)
+        raise _in_use(folder, _read_info(path))
     previous = _read_info(path, tries=1)
     note = _note()
     _write_note(fd, note)

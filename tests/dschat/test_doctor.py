@@ -6,20 +6,28 @@ files are written here. A full disk is simulated by replacing ``shutil.disk_usag
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import shutil
 import socket
+import subprocess
 from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
 from dschat.cli.doctor import doctor_command
 from dschat.demo import demo_data
+from dschat.doctor import ERROR, OK, WARN, histogram, parse_hostfile, read_safetensors_header, run_doctor
+from dschat.doctor import output as doctor_output
+from dschat.doctor.plan import GPUMemory, check_gpus
+from dschat.doctor.report import Report
 from dschat.models.loading import resolve_model
-from dschat.planning import doctor
-from dschat.planning.doctor import ERROR, OK, WARN, histogram, parse_hostfile, read_safetensors_header, run_doctor
+from dschat.training import lock
 from dschat.training.lock import acquire, release
 from tests.families import build_family
 from tests.helpers import run_cli
@@ -57,8 +65,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def step1(tmp_path: Path, **flags) -> list:
-    return run_doctor(1, {"output_dir": str(tmp_path / "out"), **flags}, default_data=demo_data)
+def step1(tmp_path: Path, gpu_reader=list, **flags) -> list:
+    """The doctor on stage 1's flags; no GPUs unless ``gpu_reader`` gives some, whatever this host has."""
+    return run_doctor(1, {"output_dir": str(tmp_path / "out"), **flags}, default_data=demo_data,
+                      gpu_reader=gpu_reader)
 
 
 # ------------------------------------------------------------------------------------------------ planted faults
@@ -158,7 +168,7 @@ def test_a_hostfile_line_of_another_shape_names_its_line(tmp_path):
 
 def test_a_full_disk_is_an_error(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 4096, 4096))
+    monkeypatch.setattr(doctor_output.shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 4096, 4096))
     bad = findings_of(step1(tmp_path), "output", ERROR)
     assert len(bad) == 1 and "4.0 KiB free on its disk" in bad[0] and "checkpoints need about" in bad[0]
 
@@ -246,3 +256,132 @@ def test_the_command_exits_1_with_one_line_per_finding():
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout.splitlines()[0].startswith("error flags     Invalid value for '--max-seq-len'")
+
+
+# ------------------------------------------------------------------------------------------------ the lock on NFS
+def lock_findings(found) -> list:
+    """The output check's findings after its first (writable, free space): the lock's, and an earlier run's."""
+    return [f for f in found if f.check == "output" and not f.message.startswith("--output-dir ")]
+
+
+@pytest.mark.parametrize("code", [errno.EBADF, errno.EACCES, errno.ENOLCK])
+def test_a_refused_flock_is_one_finding_judged_by_the_note(tmp_path, monkeypatch, code):
+    """NFS refuses flock (EBADF on a file open read-only, EACCES, ENOLCK without a lock daemon): the doctor says so
+    in one line and judges by the holder's note, as the run itself would (``lock_state``), never a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        note = {"pid": holder.pid, "host": socket.gethostname(), "proc_start": lock._proc_start(holder.pid),
+                "started": "2026-01-01 00:00:00"}
+        (out / lock.LOCK_NAME).write_text(json.dumps(note))
+
+        def refuse(fd, op):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(fcntl, "flock", refuse)
+        found = lock_findings(step1(tmp_path))
+        name = errno.errorcode[code]
+        assert [(f.severity, "\n" in f.message) for f in found] == [(ERROR, False)], found
+        assert f"is in use by another run (pid {holder.pid}" in found[0].message
+        assert f"; flock refused ({name}: {os.strerror(code)}), so judged by its note); wait" in found[0].message
+    finally:
+        holder.kill()
+        holder.wait()
+    found = lock_findings(step1(tmp_path))
+    assert [f.severity for f in found] == [WARN], found
+    assert found[0].message.endswith(f"which names a run that is gone (pid {holder.pid} on host "
+                                     f"{socket.gethostname()}, started 2026-01-01 00:00:00)")
+
+
+def test_a_refused_flock_makes_the_run_lock_by_its_note(tmp_path, monkeypatch):
+    """The run (``acquire``) meets the same refusal: it takes the folder by the note, and a second run sees it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EBADF, "Bad fd")))
+    note = acquire(out)
+    try:
+        assert json.loads((out / lock.LOCK_NAME).read_text())["nonce"] == note["nonce"]
+        state = lock.lock_state(out)
+        assert state is not None and state.refusal == "flock refused (EBADF: Bad fd)"
+        assert not state.held  # our own process: not another run
+    finally:
+        release(out)
+    assert not (out / lock.LOCK_NAME).exists()  # a note lock is removed on release
+
+
+def test_a_lock_file_this_user_cannot_open_for_writing_is_an_error(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / lock.LOCK_NAME).write_text("{}")
+    real_open = os.open
+
+    def no_write(path, flags, *a):
+        if str(path).endswith(lock.LOCK_NAME) and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(lock.os, "open", no_write)
+    bad = [m for m in findings_of(step1(tmp_path), "output", ERROR) if lock.LOCK_NAME in m]
+    assert bad == [f"{out / lock.LOCK_NAME}: cannot open it for writing (Permission denied); the run opens it for "
+                   "writing and would stop there: remove it if no run uses the folder, or choose another --output-dir"]
+
+
+# ------------------------------------------------------------------------------------------------ GPUs
+def test_each_gpu_the_run_uses_is_checked_against_the_plan():
+    # peak 10 GiB: GPU 0 has 12 free (fits), GPU 1 has 6 (74 of 80 held elsewhere); a third is asked for
+    gib = 1024**3
+    gpus = [GPUMemory(0, "Fake-80GB", 12 * gib, 80 * gib), GPUMemory(1, "Fake-80GB", 6 * gib, 80 * gib)]
+    report = Report()
+    check_gpus(SimpleNamespace(peak_bytes=10 * gib), gpus, 3, report)
+    assert [(f.check, f.severity, f.message) for f in report.findings] == [
+        ("gpu", ERROR, "--num-gpus 3: only 2 GPU(s) visible here; lower --num-gpus or check CUDA_VISIBLE_DEVICES"),
+        ("gpu", OK, "GPU 0 (Fake-80GB): 12.00 GiB free of 80.00 GiB, room for the plan's peak of 10.00 GiB per device"),
+        ("gpu", ERROR, "GPU 1 (Fake-80GB): 6.00 GiB free of 80.00 GiB (74.00 GiB held by other processes), less than "
+                       "the plan's peak of 10.00 GiB per device; free it or pick other GPUs (CUDA_VISIBLE_DEVICES)")]
+    quiet = Report()
+    check_gpus(SimpleNamespace(peak_bytes=10 * gib), [], None, quiet)  # a host without GPUs: nothing to say
+    check_gpus(None, gpus, None, quiet)  # no plan: nothing to check against
+    assert quiet.findings == []
+
+
+def test_the_doctor_plans_for_the_visible_gpus_and_checks_their_free_memory(tmp_path):
+    gib = 1024**3
+    asked = []
+
+    def reader():
+        asked.append(1)
+        return [GPUMemory(0, "Busy-24GB", 1024**2, 24 * gib)]
+
+    found = step1(tmp_path, gpu_reader=reader)
+    assert asked == [1]
+    plan = [f.message for f in found if f.check == "plan"]
+    gpu = findings_of(found, "gpu", ERROR)
+    assert len(plan) == 1 and len(gpu) == 1 and gpu[0].startswith("GPU 0 (Busy-24GB): 1.0 MiB free of 24.00 GiB")
+    # the default reader on this CPU host sees no GPU: no finding, and the plan is the table's
+    assert not [f for f in step1(tmp_path, gpu_reader=list) if f.check == "gpu"]
+
+
+# ------------------------------------------------------------------------------------------------ malformed rows
+def test_the_loader_returns_its_malformed_rows_and_the_doctor_reads_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from dschat.config import DataArgs
+    from dschat.data import load_phase
+
+    good = [{"prompt": f"\n\nHuman: where is order {i}?\n\nAssistant:", "chosen": " It ships today.",
+             "rejected": " No."} for i in range(20)]
+    bad = [{"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": f" Hello {i}."} for i in range(5)]
+    path = tmp_path / "rows.jsonl"
+    write_jsonl(path, good + bad)
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    pd = load_phase(DataArgs(data=[str(path)], data_split="1,0,0"), 1, tok, 1234, use_cache=False,
+                    log=lambda _: None)
+    name = pd.sources[0]["name"]
+    assert pd.counts["dropped_malformed"] == 5
+    expected = [f"{path}:{line}: missing field 'rejected' (has: chosen, prompt)" for line in range(21, 26)]
+    assert {r["source"] for r in pd.malformed} == {name}
+    assert sorted(r["message"] for r in pd.malformed) == expected  # every one, in the split's (seeded) order
+    warned = findings_of(step1(tmp_path, data=[str(path)], data_split="1,0,0"), "data", WARN)
+    assert warned == [f"dropped a malformed row: {r['message']}" for r in pd.malformed[:3]] + [
+        f"... and 2 more malformed rows in {name}"]

@@ -21,7 +21,8 @@ Who may import the demo (``DEMO_COMMANDS``): the demo package itself, and the co
 *is* the embedded demo: ``dschat.cli.pipeline`` (``dschat pipeline`` with no arguments runs the demo, on demo files
 it picks per stage), ``dschat.cli.data`` (``dschat data inspect`` without ``--data`` shows the demo corpus) and
 ``dschat.cli.eval`` (``dschat eval --step 1|3`` without ``--data`` evaluates on the demo corpus, the stages' own
-default data, so the demo's held-out figures can be reproduced).
+default data, so the demo's held-out figures can be reproduced) and ``dschat.cli.doctor`` (``dschat doctor``
+without ``--data`` reads the stage's default, the demo corpus, as the stage would).
 The stage mains live outside ``dschat/`` and pass ``dschat.demo.demo_data`` to the library as their default
 data, so the library itself never names the demo.
 """
@@ -36,7 +37,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "dschat"
 
 CLI = "dschat.cli"
 DEMO = "dschat.demo"
-DEMO_COMMANDS = frozenset({"dschat.cli.pipeline", "dschat.cli.data", "dschat.cli.eval"})
+DEMO_COMMANDS = frozenset({"dschat.cli.pipeline", "dschat.cli.data", "dschat.cli.eval", "dschat.cli.doctor"})
 LAYER_FILES = frozenset({"dschat.cli.main"})  # where the lazily loaded COMMANDS table lives
 
 Graph = dict[str, dict[str, str]]  # module -> {imported module: "file:line" of the first such import}
