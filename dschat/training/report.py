@@ -53,6 +53,8 @@ class Plot:
     smooth: bool = True
 
 
+MEMORY_PHASES = ("train", "eval", "generate", "experience", "train_actor", "train_critic")
+MEMORY_FIGURES = ("peak_rss", "peak_allocated", "peak_reserved", "device_used")
 PLOTS: tuple[Plot, ...] = (
     Plot("loss", "Loss", ("train/loss", "eval/loss", "train/ce", "train/kd", "eval/kd", "train/unsup_loss")),
     Plot("actor_loss", "Actor (policy) loss", ("train/actor_loss",)),
@@ -80,6 +82,9 @@ PLOTS: tuple[Plot, ...] = (
          "share"),
     Plot("lr", "Learning rate", ("train/lr",), "learning rate", smooth=False),
     Plot("throughput", "Throughput", ("time/tokens_per_s", "train/tokens_per_s", "time/pairs_per_s"), "per second"),
+    # dschat.training.memory's figures: per phase, the peak RSS (CPU) or allocated, reserved and device total (CUDA)
+    Plot("memory", "Peak memory per phase", tuple(f"memory/{phase}_{figure}_mib" for phase in MEMORY_PHASES
+                                                  for figure in MEMORY_FIGURES), "MiB", smooth=False),
 )
 BEFORE_AFTER = "reward_before_after"  # the PNG of eval.json's reward before and after training
 

@@ -251,3 +251,25 @@ def test_training_oom_stops_with_exit_4_one_line_and_a_state_resume_finishes(tmp
     assert "resumed from" in capsys.readouterr().err
     ev = read_json(out / "eval.json")
     assert ev["steps"] == 3 and ev["memory"]["phases"]["train"]["peak_rss"] > 0
+
+
+def test_the_report_draws_the_memory_figures(tmp_path) -> None:
+    import json
+
+    from dschat.training.report import write_report
+
+    run = tmp_path / "grpo"
+    run.mkdir()
+    rows = [{"step": s, "train/actor_loss": 0.1 * s, "memory/generate_peak_rss_mib": 700.0 + s,
+             "memory/experience_peak_rss_mib": 650.0, "memory/train_actor_peak_rss_mib": 720.0 + 2 * s,
+             "memory/oom_splits": 0.0} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report([run])
+    png = run / "report" / "memory.png"
+    assert png.is_file() and png.stat().st_size > 8000
+    # a run without memory figures draws no memory plot
+    other = tmp_path / "old"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
+    write_report([other])
+    assert not (other / "report" / "memory.png").exists()
