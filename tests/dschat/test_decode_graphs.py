@@ -181,3 +181,49 @@ def test_graph_backend_refused_on_a_cpu_before_loading():
     cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "generation_backend": "graph"})
     with pytest.raises(UserError, match="needs a CUDA device"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize("backend", ["dschat", "graph"])
+def test_zero3_generation_gathers_once_per_call(backend, monkeypatch):
+    """Under ZeRO-3 the hybrid engine gathers the actor's weights once per generation, never per token, and the
+    answers are HF generate's on the gathered weights, before and after an optimizer step (the graph step's code
+    path, run eagerly here, follows weights that a gather puts in new memory)."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    from dschat import engine as E
+    from dschat.config import EngineArgs, OptimArgs
+    from dschat.generation.hybrid_engine import HybridEngine
+    from dschat.models.tiny import tiny_model_config
+
+    E.setup_distributed()
+    torch.manual_seed(0)
+    # hidden 128: every matrix is over ZeRO-3's persistence threshold, so partitioned
+    model = LlamaForCausalLM(tiny_model_config(num_hidden_layers=2, hidden_size=128, intermediate_size=256))
+    eng = E.build_train_engine(model, engine=EngineArgs(zero_stage=3), optim=OptimArgs(
+        learning_rate=1e-2, per_device_train_batch_size=2, num_warmup_steps=0), dtype=torch.float32, total_steps=2)
+    gathers = []
+    real = deepspeed.zero.GatheredParameters
+
+    def counted(params, *a, **k):
+        gathers.append(len(list(params)) if not isinstance(params, torch.nn.Parameter) else 1)
+        return real(params, *a, **k)
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", counted)
+    chosen = DschatBackend(graph=True, capture=False) if backend == "graph" else DschatBackend()
+    hybrid = HybridEngine(eng, pad_token_id=0, eos_token_id=2, backend=chosen)
+    ids = torch.randint(4, 100, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    greedy = GenerationConfig(max_new_tokens=12, do_sample=False)
+    for _ in range(2):
+        gathers.clear()
+        got = hybrid.generate(ids, mask, greedy)
+        assert len(gathers) == 1 and got.shape[1] > ids.shape[1] + 1  # one gather for a dozen tokens
+        module = E.unwrap(eng)
+        with real(list(module.parameters())), torch.no_grad():
+            want = module.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                   eos_token_id=2)
+        assert torch.equal(got, want)
+        x = torch.randint(4, 100, (2, 8))
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()
