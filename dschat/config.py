@@ -561,7 +561,17 @@ class ServeArgs:
                                        "into one forward up to this budget.", low=1)
     max_queue: int = arg(64, "Requests waiting for the model at most; more are answered 429.", low=1)
     max_request_rows: int = arg(1024, "Completions per request at most (more: 413).", low=1)
+    max_request_tokens: int = arg(131072, "Padded reward-model tokens per request at most (more: 413), so one "
+                                          "request's cost is bounded; a request over --max-batch-tokens is scored "
+                                          "over several forwards, shared with the small requests that arrive "
+                                          "meanwhile.", low=1)
     max_body_bytes: int = arg(8_000_000, "Request body size in bytes at most (more: 413).", low=1)
+    max_connections: int = arg(64, "Open connections at most: a new one past it closes the oldest that has no "
+                                   "request in progress, else gets 503.", low=1)
+    header_timeout: float = arg(10.0, "Seconds a connection may take to send a request's line and headers (from "
+                                      "its opening or its last answer); then it is closed.", above=0)
+    body_timeout: float = arg(30.0, "Seconds a request may take to send its body once its headers are in; then "
+                                    "408.", above=0)
     max_seq_len: int = arg(512, "Longest prompt + answer the reward model reads, in its tokens; a longer text loses "
                                 "the start of its prompt, as in stage 3 (the stage's --max-prompt-seq-len + "
                                 "--max-answer-seq-len); token ids sent longer than this are refused (422).", low=2)

@@ -1,35 +1,39 @@
 """Remote reward sources: ``--reward-funcs http://host:port/score`` scores completions on a ``dschat serve`` (or any
 server answering its request shape; docs/serving.md), weighted like any other source (``--reward-weights``).
 
-The client is the standard library's (``urllib.request``): one POST per scoring batch (or chunks of
-``--reward-request-rows``), a timeout per request, retries with exponential backoff on connection errors,
-timeouts, 429 and 5xx (never on another 4xx, which is the caller's mistake and stops at once with the server's
-reason), and a circuit breaker: when a request still fails after its retries, the source is down and raises
-``RewardServerDown``; stage 3 then saves the state of its last completed step and stops (exit code 4), so the
-run continues with ``--resume`` once the server answers again.
+The client is the standard library's (``http.client``): one POST per scoring batch (or chunks of
+``--reward-request-rows``), one deadline per request (connecting, sending and the whole reply; a server that
+drips its answer cannot stretch it), retries with exponential backoff on connection errors, timeouts, 429 and 5xx
+(never on another 4xx, which is the caller's mistake and stops at once with the server's reason), and a circuit
+breaker: when a request still fails after its retries, the source is down and raises ``RewardServerDown``;
+stage 3 then saves the state of its last completed step and stops (exit code 4), so the run continues with
+``--resume`` once the server answers again.
 
 The bearer token comes from ``--reward-token-file`` or the environment variable ``DSCHAT_REWARD_TOKEN``; it is
-held by the client alone, never logged, never written to a run's files.
+held by the client alone, never logged, never written to a run's files, and sent to the configured host only:
+the client follows no redirect (a 3xx is an error) and uses no proxy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import http.client
+import io
 import json
 import math
 import os
+import socket
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dschat.errors import ExitCode, UserError
+from dschat.errors import ExitCode, UserError, first_line
 
 TOKEN_ENV = "DSCHAT_REWARD_TOKEN"
 SCHEMES = ("http://", "https://")
+MAX_REPLY_BYTES = 64 * 2**20  # a reply larger than this is refused (scores take a few dozen bytes a row)
 
 
 class RewardServerDown(UserError):
@@ -139,8 +143,13 @@ class RemoteReward:
             raise UserError(f"reward server {self.url}: {len(values)} scores for {n} completions")
         out = []
         for v in values:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise UserError(f"reward server {self.url}: a score is not a finite number ({v!r})")
+            try:  # an integer past float's range (10**400) overflows: not a finite number either
+                ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise UserError(f"reward server {self.url}: a score is not a finite number "
+                                f"({_short(v)})")
             out.append(float(v))
         return out
 
@@ -149,14 +158,19 @@ class RemoteReward:
             try:
                 self._server_info = self._request(self.base + "/info", None, retry=True)
             except UserError as e:
-                if isinstance(e, RewardServerDown):
+                if isinstance(e, RewardServerDown | RedirectRefused):
                     raise
                 self._server_info = {}  # not a dschat server (no /info): text only
         info = self._server_info if isinstance(self._server_info, dict) else {}
         return info.get("tokenizer")
 
     def _post(self, url: str, body: dict[str, Any]) -> Any:
-        return self._request(url, json.dumps(body).encode("utf-8"), retry=True)
+        try:
+            data = json.dumps(body, allow_nan=False).encode("utf-8")
+        except ValueError:  # NaN or infinity in a row field: not JSON, and a server would refuse it
+            raise UserError(f"reward server {self.url}: a row field holds NaN or an infinity, which JSON cannot "
+                            "carry") from None
+        return self._request(url, data, retry=True)
 
     # ------------------------------------------------------------------------------------------- transport
     def _request(self, url: str, data: bytes | None, retry: bool) -> Any:
@@ -181,33 +195,135 @@ class RemoteReward:
             headers["Content-Type"] = "application/json"
         if self.s.token:
             headers["Authorization"] = f"Bearer {self.s.token}"
-        req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
         self.requests += 1
+        deadline = time.monotonic() + self.s.timeout
         try:
-            with urllib.request.urlopen(req, timeout=self.s.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            reason = _reason(e)
-            if e.code == 429 or e.code >= 500:
-                raise _Retryable(f"HTTP {e.code} {reason}") from None
-            raise UserError(f"reward server {url} answered HTTP {e.code}: {reason}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, timed out, cut
-            why = getattr(e, "reason", e)
-            raise _Retryable(f"{type(why).__name__}: {why}" if str(why) else type(why).__name__) from None
+            status, reason, location, raw = _exchange(url, "POST" if data is not None else "GET", data, headers,
+                                                      deadline)
+        except _Overdue:
+            raise _Retryable(f"timed out: no whole reply within {self.s.timeout:g} s (--reward-timeout)") from None
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, cut, a bad status line
+            raise _Retryable(f"{type(e).__name__}: {first_line(e)}" if str(e) else type(e).__name__) from None
+        if 300 <= status < 400:
+            where = f" to {first_line(location, 100)!r}" if location else ""
+            raise RedirectRefused(f"reward server {url} answered HTTP {status} (a redirect{where}); redirects are "
+                                  "not followed, so the token stays with this host: give the final address")
+        if status >= 400:
+            why = _reason(raw, reason)
+            if status == 429 or status >= 500:
+                raise _Retryable(f"HTTP {status} {why}")
+            raise UserError(f"reward server {url} answered HTTP {status}: {why}")
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # not JSON, nested too deep, a 5000-digit int
             raise UserError(f"reward server {url}: the reply is not JSON ({raw[:60]!r})") from None
 
 
-def _reason(e: urllib.error.HTTPError) -> str:
+class RedirectRefused(UserError):
+    """A reward server answered 3xx: never followed (the token would go to the new host)."""
+
+
+class _Overdue(Exception):
+    pass
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive may only use the time left before ``deadline``
+    (``time.monotonic()``): the bound is on the whole exchange, not on each read."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Overdue()
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise _Overdue() from None
+
+    def recv_into(self, buffer: Any) -> int:
+        self._arm()
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError:
+            raise _Overdue() from None
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        pass  # http.client closes the connection while its response still reads: _exchange closes the socket
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket):
+        self.sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self.sock.recv_into(buffer)
+
+
+def _exchange(url: str, method: str, data: bytes | None, headers: dict[str, str],
+              deadline: float) -> tuple[int, str, str, bytes]:
+    """One HTTP request under one deadline: ``(status, reason, Location header, body)``. ``http.client`` itself
+    follows no redirect and reads no proxy variables, so the request goes to this host and no other."""
+    parts = urllib.parse.urlsplit(url)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _Overdue()
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname or "", parts.port, timeout=left)
+    sock: socket.socket | None = None
+    try:
+        try:
+            conn.connect()  # TCP (and TLS) within the time left
+        except TimeoutError:
+            raise _Overdue() from None
+        sock = conn.sock
+        conn.sock = _DeadlineSocket(sock, deadline)  # type: ignore[assignment]
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, target, body=data, headers=headers)
+        resp = conn.getresponse()
+        declared = (resp.getheader("Content-Length") or "").strip()
+        if declared.isdigit():
+            if int(declared) > MAX_REPLY_BYTES:
+                raise UserError(f"reward server {url}: a reply of {declared} bytes; at most {MAX_REPLY_BYTES}")
+            raw = resp.read()  # IncompleteRead (retried) when the connection is cut before the end
+        else:
+            raw = resp.read(MAX_REPLY_BYTES + 1)
+            if len(raw) > MAX_REPLY_BYTES:
+                raise UserError(f"reward server {url}: a reply of over {MAX_REPLY_BYTES} bytes")
+        return resp.status, resp.reason or "", resp.getheader("Location") or "", raw
+    finally:
+        conn.close()
+        if sock is not None:
+            sock.close()
+
+
+def _short(value: Any, n: int = 40) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1024:
+        return "an integer past float's range"
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _reason(raw: bytes, fallback: str) -> str:
     """The server's one-line reason (``{"detail": ...}`` or ``{"error": ...}``), else the HTTP reason."""
     try:
-        body = json.loads(e.read() or b"{}")
-    except (ValueError, OSError):
+        body = json.loads(raw or b"{}")
+    except (ValueError, RecursionError):
         body = {}
     detail = body.get("error") or body.get("detail") if isinstance(body, dict) else None
-    text = detail if isinstance(detail, str) else json.dumps(detail) if detail else str(e.reason)
+    text = detail if isinstance(detail, str) else json.dumps(detail) if detail else fallback
     return " ".join(text.split())[:200]
 
 

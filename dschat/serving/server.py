@@ -1,31 +1,36 @@
 """``dschat serve``'s HTTP side (FastAPI + uvicorn, the ``serve`` extra): the endpoints, the bearer token, the size
-limits, the queue bound and a graceful shutdown (docs/serving.md).
+limits and deadlines, the queue bound and a graceful shutdown (docs/serving.md).
 
     POST /score        {"prompts": [...], "completions": [...]}  -> {"scores": [...]}
     POST /get_reward   OpenRLHF's shape: {"query": [...]}           -> {"rewards": [...], "scores": [...]}
     GET  /health       200 once the sources are loaded, 503 before
     GET  /info         the model, dtype, limits, the reward's stage-2 mean/std, the tokenizer's fingerprint
 
-The sources load in a thread after the server starts, so ``/health`` answers 503 meanwhile. One worker thread
-scores (``Batcher``); uvicorn's shutdown waits for the requests in flight, then the worker finishes every queued
-job before the process ends.
+The sources load in a thread after the server starts, so ``/health`` answers 503 meanwhile; when loading fails,
+the server stops and ``serve`` ends with the error. A request's body is read under ``--body-timeout`` and parsed,
+checked and tokenised in one thread beside the event loop (the tokenizer is not shared between threads), so a
+large body never stalls the other connections. One worker thread scores (``Batcher``). A request whose client
+disconnects is dropped from the batcher. uvicorn's shutdown waits for the requests in flight, then the worker
+finishes every queued job before the process ends. The connections themselves are capped and timed by
+``guard.ConnectionGuard``.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations (``Request``, imported inside
 # ``create_app`` so that this module imports without the extra) as objects.
 import asyncio
 import hmac
-import json
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from dschat.config import ServeArgs
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.rewards.remote import read_token_file
-from dschat.serving.batcher import Batcher, QueueFull
-from dschat.serving.service import BadRequest, RewardService, parse_openrlhf_request, parse_score_request
+from dschat.serving.batcher import Batcher, ClientGone, Job, QueueFull
+from dschat.serving.guard import MAX_HEADER_BYTES, ConnectionGuard
+from dschat.serving.service import BadRequest, RewardService, parse_body, parse_openrlhf_request, parse_score_request
 
 
 def require_serve_extra() -> None:
@@ -42,29 +47,50 @@ def require_serve_extra() -> None:
 
 
 class State:
-    """What the app holds: the service once loaded (or the loading error), and the batcher."""
+    """What the app holds: the limits, the service once loaded (or the loading error), the batcher, and ``stop``
+    (set by ``uvicorn_server``: ends the server, as when loading fails)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: ServeArgs) -> None:
+        self.limits = limits
         self.service: RewardService | None = None
         self.batcher: Batcher | None = None
         self.error: str | None = None
+        self.stop: Callable[[], None] | None = None
+        self.guard: ConnectionGuard | None = None
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """``Authorization: Bearer <token>``, the scheme in any case (RFC 9110 11.1); constant-time in the token."""
+    scheme, _, given = header.strip().partition(" ")
+    ok = hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8"))
+    return ok and scheme.lower() == "bearer"
+
+
+def is_json(content_type: str | None) -> bool:
+    """``application/json``, with or without parameters (``; charset=utf-8``)."""
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
 def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str | None = None,
                log: Callable[[str], None] = print) -> Any:
     """The FastAPI app. ``load`` builds the ``RewardService`` (in a thread, after start-up); ``token``: the bearer
-    token every endpoint but ``/health`` requires."""
+    token every endpoint but ``/health`` requires. No /docs, /redoc or /openapi.json: docs/serving.md is the
+    reference, and nothing but the endpoints answers."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    state = State()
+    state = State(limits)
+    # one thread parses, renders and tokenises the bodies: off the event loop, and one tokenizer call at a time
+    parser = ThreadPoolExecutor(1, thread_name_prefix="dschat-serve-parse")
 
     def load_now() -> None:
         try:
             service = load()
-        except Exception as e:  # noqa: BLE001 - reported by /health and the log, in one line
-            state.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            log(f"loading failed: {state.error}")
+        except Exception as e:  # noqa: BLE001 - one line; serve() ends the process with it
+            state.error = f"{type(e).__name__}: {first_line(e)}" if not isinstance(e, UserError) else first_line(e)
+            log("loading failed; stopping")
+            if state.stop is not None:
+                state.stop()
             return
         state.batcher = Batcher(service.score_rows, service.finish, limits.max_batch_tokens, limits.max_queue)
         state.service = service
@@ -74,62 +100,97 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
     async def lifespan(app: Any) -> Any:
         threading.Thread(target=load_now, name="dschat-serve-load", daemon=True).start()
         yield
+        parser.shutdown(wait=False, cancel_futures=True)
         if state.batcher is not None:  # uvicorn has waited for the requests in flight; finish what is queued
             await asyncio.to_thread(state.batcher.close, True)
-            log(f"stopped: {state.batcher.jobs_done} request(s) scored in {state.batcher.batches} forward(s)")
+            b = state.batcher
+            log(f"stopped: {b.jobs_done} request(s) scored in {b.batches} forward(s)"
+                + (f", {b.dropped} dropped (client gone)" if b.dropped else ""))
 
-    app = FastAPI(title="dschat reward server", lifespan=lifespan)
+    app = FastAPI(title="dschat reward server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dschat = state
 
-    def error(status: int, reason: str) -> Any:
-        return JSONResponse({"error": reason}, status_code=status)
+    def error(status: int, reason: str, close: bool = False) -> Any:
+        return JSONResponse({"error": reason}, status_code=status, headers={"Connection": "close"} if close else None)
 
     def unauthorized(request: Request) -> Any | None:
-        if token is None:
+        if token is None or bearer_matches(request.headers.get("authorization", ""), token):
             return None
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode("utf-8"), f"Bearer {token}".encode()):
-            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
-        return None
+        return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
 
-    async def body_of(request: Request) -> Any:
+    async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
             raise BadRequest(413, f"body of {length} bytes; at most {limits.max_body_bytes} (--max-body-bytes)")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limits.max_body_bytes:
-                raise BadRequest(413, f"body over {limits.max_body_bytes} bytes (--max-body-bytes)")
+
+        async def receive_all() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone("the client disconnected")
+                raw.extend(message.get("body", b""))
+                if len(raw) > limits.max_body_bytes:
+                    raise BadRequest(413, f"body over {limits.max_body_bytes} bytes (--max-body-bytes)")
+                if not message.get("more_body", False):
+                    return
+
         try:
-            return json.loads(bytes(raw))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadRequest(422, f"the body is not JSON ({e.__class__.__name__})") from None
+            await asyncio.wait_for(receive_all(), limits.body_timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(408, f"the body took over {limits.body_timeout:g} s (--body-timeout)") from None
+        return bytes(raw)
+
+    def prepare(service: RewardService, raw: bytes, openrlhf: bool) -> Job:
+        body = parse_body(raw)
+        req = parse_openrlhf_request(body, limits.max_request_rows) if openrlhf else \
+            parse_score_request(body, service.tokenizer, limits.max_request_rows)
+        return service.job(req, openrlhf)
+
+    async def until_disconnected(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def scored(request: Request, batcher: Batcher, job: Job) -> Any:
+        """The job's answer, or None when the client went away first (the job is then dropped)."""
+        answer = asyncio.wrap_future(job.future)
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            job.cancel()
+            answer.cancel()
+            return None
+        return answer.result()
 
     async def score(request: Request, openrlhf: bool) -> Any:
         if (denied := unauthorized(request)) is not None:
             return denied
+        if not is_json(request.headers.get("content-type")):
+            return error(415, "the body must be JSON (Content-Type: application/json)")
         service, batcher = state.service, state.batcher
         if service is None or batcher is None:
-            return error(503, state.error or "loading")
+            return error(503, "loading failed" if state.error else "loading")
         try:
-            body = await body_of(request)
-            tok = service.tokenizer
-            req = parse_openrlhf_request(body, limits.max_request_rows) if openrlhf else \
-                parse_score_request(body, tok, limits.max_request_rows)
-            job = service.job(req, openrlhf)
-            future = batcher.submit(job)
+            raw = await read_body(request)
+            job = await asyncio.get_running_loop().run_in_executor(parser, prepare, service, raw, openrlhf)
+            batcher.submit(job)
+            answer = await scored(request, batcher, job)
+            return error(499, "the client disconnected") if answer is None else answer
         except BadRequest as e:
-            return error(e.status, e.reason)
+            return error(e.status, e.reason, close=e.status in (408, 413))
         except QueueFull as e:
             return error(429, str(e))
-        try:
-            return await asyncio.wrap_future(future)
+        except ClientGone:
+            return error(499, "the client disconnected")
         except (UserError, ValueError) as e:
-            return error(422, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        except Exception as e:  # noqa: BLE001 - one line to the client, the server lives on
-            return error(500, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            return error(422, first_line(e))
+        except Exception as e:  # noqa: BLE001 - one line to the client and the log, the server lives on
+            log(f"scoring failed: {type(e).__name__}: {first_line(e)}")
+            return error(500, f"{type(e).__name__}: {first_line(e)}")
 
     @app.post("/score")
     async def score_endpoint(request: Request) -> Any:
@@ -141,8 +202,8 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
 
     @app.get("/health")
     async def health() -> Any:
-        if state.service is None:
-            return error(503, state.error or "loading")
+        if state.service is None:  # never the reason: it may name files; the log and the exit have it
+            return error(503, "loading failed" if state.error else "loading")
         return {"status": "ok"}
 
     @app.get("/info")
@@ -150,19 +211,43 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
         if (denied := unauthorized(request)) is not None:
             return denied
         if state.service is None:
-            return error(503, state.error or "loading")
+            return error(503, "loading failed" if state.error else "loading")
         batcher = state.batcher
-        return {**state.service.info, "queued": batcher.queue.qsize() if batcher else 0,
-                "batches": batcher.batches if batcher else 0}
+        return {**state.service.info, "max_connections": limits.max_connections,
+                "header_timeout": limits.header_timeout, "body_timeout": limits.body_timeout,
+                "queued": batcher.queued() if batcher else 0, "batches": batcher.batches if batcher else 0,
+                "dropped": batcher.dropped if batcher else 0}
 
     return app
 
 
+def uvicorn_server(app: Any, host: str, port: int, log_level: str = "warning") -> Any:
+    """The uvicorn server of an app of ``create_app``, under its limits: the connection guard (a cap on open
+    connections, a deadline for a request's line and headers), headers of at most ``MAX_HEADER_BYTES``, the
+    h11 protocol (the one the guard extends), no websockets, no proxy headers (nothing here trusts a client's
+    address). Loading failures stop it (``State.stop``)."""
+    import uvicorn
+
+    state: State = app.state.dschat
+    limits = state.limits
+    state.guard = ConnectionGuard(limits.max_connections, limits.header_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            http=state.guard.protocol(), ws="none", proxy_headers=False, server_header=False,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    server = uvicorn.Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    state.stop = stop
+    return server
+
+
 def serve(cfg: Any) -> None:
     """Run the server of a ``ServeConfig`` until Ctrl-C or SIGTERM: then it finishes what is in flight, and uvicorn
-    raises the signal again once it has stopped (a Ctrl-C exits 130, a SIGTERM as terminated by it)."""
+    raises the signal again once it has stopped (a Ctrl-C exits 130, a SIGTERM as terminated by it). Sources
+    that fail to load end it with their one-line error (exit 2)."""
     require_serve_extra()
-    import uvicorn
 
     from dschat.serving.service import load_service, source_names
 
@@ -174,6 +259,9 @@ def serve(cfg: Any) -> None:
         print(f"[dschat serve] {msg}", flush=True)
 
     app = create_app(s, lambda: load_service(cfg, log), token, log)
+    server = uvicorn_server(app, s.host, s.port)
     log(f"listening on http://{s.host}:{s.port} (POST /score, POST /get_reward, GET /health, GET /info)"
         + ("; bearer token required" if token else ""))
-    uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", access_log=False)).run()
+    server.run()
+    if app.state.dschat.error is not None:
+        raise UserError(f"dschat serve: loading the reward sources failed: {app.state.dschat.error}")

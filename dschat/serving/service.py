@@ -9,6 +9,7 @@ score equals the in-process one bit for bit on the same inputs (docs/serving.md,
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from dschat.config import ServeArgs
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.rewards.functions import RM, RewardMixer, get_reward_func, parse_weights
 from dschat.rewards.judge import JUDGE
 from dschat.rewards.remote import is_remote, tokenizer_fingerprint
@@ -32,6 +33,55 @@ class BadRequest(Exception):
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
         self.status, self.reason = status, reason
+
+
+# row fields the server fills itself (``answer`` from ``answers``, ``reached_eos`` from ``ended``) or that name the
+# reward functions' own arguments: a request may not set them through ``fields``
+RESERVED_FIELDS = ("answer", "prompts", "completions", "completion_lengths", "reached_eos", "token_ids", "external")
+MAX_DEPTH = 64  # JSON nesting a request may use; the request shapes need 5
+
+
+def _no_constant(name: str) -> Any:
+    raise BadRequest(422, f"the body holds {name}, which is not JSON (send finite numbers)")
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a one-line 422: not UTF-8, not JSON, nested deeper than ``MAX_DEPTH``, a number
+    of more digits than Python converts (4300), a ``NaN``/``Infinity`` literal, or a text holding a lone surrogate
+    (``\\ud800``, which no tokenizer encodes)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise BadRequest(422, f"the body is not UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise BadRequest(422, f"the body is nested too deep (at most {MAX_DEPTH} levels)") from None
+    except json.JSONDecodeError as e:
+        raise BadRequest(422, f"the body is not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
+    except ValueError as e:  # an integer past the digit limit of int(str)
+        raise BadRequest(422, f"the body holds a number Python refuses to convert ({first_line(e, 80)})") from None
+    _check_values(body)
+    return body
+
+
+def _check_values(body: Any) -> None:
+    """Depth and texts of a parsed body, iteratively (a deep body must not recurse here either)."""
+    stack: list[tuple[Any, int, str]] = [(body, 1, "the body")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            raise BadRequest(422, f"the body is nested too deep (at most {MAX_DEPTH} levels)")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRequest(422, f"{where}: a text holds a lone surrogate ({value[e.start]!a}); send valid "
+                                      "Unicode") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, depth + 1, where))
+                stack.append((v, depth + 1, k if where == "the body" else f"{where}.{k}"))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value))
 
 
 @dataclass
@@ -73,6 +123,12 @@ def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreReques
     ``fields`` (other row fields, by name, for user functions)."""
     if not isinstance(body, dict):
         raise BadRequest(422, "the body must be a JSON object")
+    key = "messages" if "messages" in body else "completions"
+    if key not in body or key == "completions" and "prompts" not in body:
+        raise BadRequest(422, "send 'prompts' and 'completions' (or 'messages')")
+    if isinstance(body[key], list) and len(body[key]) > max_rows:  # before any row is rendered or read
+        raise BadRequest(413, f"{len(body[key])} {'conversations' if key == 'messages' else 'completions'} in one "
+                              f"request; at most {max_rows} (--max-request-rows)")
     if "messages" in body:
         convs = body["messages"]
         if not isinstance(convs, list):
@@ -85,8 +141,6 @@ def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreReques
             prompts.append(_messages_text(tokenizer, conv[:-1], f"messages[{i}]"))
             completions.append(conv[-1]["content"])
     else:
-        if "completions" not in body or "prompts" not in body:
-            raise BadRequest(422, "send 'prompts' and 'completions' (or 'messages')")
         raw = body["prompts"]
         if not isinstance(raw, list):
             raise BadRequest(422, "'prompts' must be a list")
@@ -94,8 +148,6 @@ def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreReques
         prompts = [p if isinstance(p, str) else _messages_text(tokenizer, p, f"prompts[{i}]")
                    for i, p in enumerate(raw)]
     n = len(completions)
-    if n > max_rows:
-        raise BadRequest(413, f"{n} completions in one request; at most {max_rows} (--max-request-rows)")
     ended = body.get("ended", [True] * n)
     if not isinstance(ended, list) or len(ended) != n or not all(isinstance(e, bool) for e in ended):
         raise BadRequest(422, f"'ended' must be a list of {n} booleans")
@@ -110,6 +162,10 @@ def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreReques
     fields = body.get("fields") or {}
     if not isinstance(fields, dict) or not all(isinstance(v, list) and len(v) == n for v in fields.values()):
         raise BadRequest(422, f"'fields' must map names to lists of {n} entries")
+    taken = [k for k in fields if k in RESERVED_FIELDS]
+    if taken:
+        raise BadRequest(422, f"'fields' may not set {taken[0]!r}: the server sets it ({', '.join(RESERVED_FIELDS)} "
+                              "are reserved; send 'answers' and 'ended' instead)")
     return ScoreRequest(prompts, completions, ended, answers, ids, fields)
 
 
@@ -118,9 +174,9 @@ def parse_openrlhf_request(body: Any, max_rows: int) -> ScoreRequest:
     answer starts). A query is scored as a prompt and an answer that ended (the reward model's EOS appended)."""
     if not isinstance(body, dict):
         raise BadRequest(422, "the body must be a JSON object")
+    if isinstance(body.get("query"), list) and len(body["query"]) > max_rows:
+        raise BadRequest(413, f"{len(body['query'])} queries in one request; at most {max_rows} (--max-request-rows)")
     queries = _strings(body, "query")
-    if len(queries) > max_rows:
-        raise BadRequest(413, f"{len(queries)} queries in one request; at most {max_rows} (--max-request-rows)")
     prompts = body.get("prompts")
     if prompts is not None:
         prompts = _strings(body, "prompts", len(queries))
@@ -143,8 +199,8 @@ class RewardService:
         self.vocab = len(tokenizer) if tokenizer is not None else 0
         self.info = {"sources": list(names), "weights": self.mixer.weights,
                      "max_seq_len": limits.max_seq_len, "max_batch_tokens": limits.max_batch_tokens,
-                     "max_request_rows": limits.max_request_rows, "max_body_bytes": limits.max_body_bytes,
-                     "max_queue": limits.max_queue, **info}
+                     "max_request_rows": limits.max_request_rows, "max_request_tokens": limits.max_request_tokens,
+                     "max_body_bytes": limits.max_body_bytes, "max_queue": limits.max_queue, **info}
         if tokenizer is not None and reward_model is not None:
             self.info["tokenizer"] = tokenizer_fingerprint(tokenizer)
 
@@ -177,10 +233,23 @@ class RewardService:
                           self.limits.max_batch_tokens)
 
     def job(self, req: ScoreRequest, openrlhf: bool = False) -> Job:
+        """The batcher's job of a request; 413 when its rows cost more than ``--max-request-tokens`` padded
+        tokens (token ids are counted before they are checked, text once encoded)."""
         from dschat.rlhf.scoring import score_width
 
+        if req.input_ids is not None and self.reward_model is not None:
+            self._check_cost([score_width(len(r)) for r in req.input_ids])
         rows = self.rows(req)
-        return Job(rows, {"request": req, "openrlhf": openrlhf}, sum(score_width(len(r)) for r in rows))
+        widths = [score_width(len(r)) for r in rows]
+        self._check_cost(widths)
+        return Job(rows, {"request": req, "openrlhf": openrlhf}, widths)
+
+    def _check_cost(self, widths: list[int]) -> None:
+        cost, cap = sum(widths), self.limits.max_request_tokens
+        if cost > cap:
+            raise BadRequest(413, f"the rows cost {cost} padded tokens; at most {cap} per request "
+                                  "(--max-request-tokens): send fewer rows per request (the client's "
+                                  "--reward-request-rows)")
 
     # ------------------------------------------------------------------------------------------- answers
     def finish(self, job: Job, rm_scores: torch.Tensor) -> dict[str, Any]:

@@ -47,10 +47,10 @@ def serve_config(**values: Any) -> Any:
 def running(app: Any, port: int | None = None, wait_ready: bool = True) -> Iterator[tuple[str, Any]]:
     """Serve ``app`` on 127.0.0.1 in a thread; yields the base URL and the uvicorn server (``should_exit``
     stops it gracefully)."""
-    import uvicorn
+    from dschat.serving.server import uvicorn_server
 
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", access_log=False))
+    server = uvicorn_server(app, "127.0.0.1", port, log_level="error")  # as `dschat serve` runs it: its guard
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -71,12 +71,16 @@ def running(app: Any, port: int | None = None, wait_ready: bool = True) -> Itera
 
 
 def call(url: str, body: Any = None, token: str | None = None, raw: bytes | None = None,
-         timeout: float = 60) -> tuple[int, Any]:
-    """``(status, JSON reply)`` of a GET (no body) or POST."""
+         timeout: float = 60, content_type: str | None = "application/json",
+         authorization: str | None = None) -> tuple[int, Any]:
+    """``(status, JSON reply)`` of a GET (no body) or POST (``content_type`` None: no Content-Type header;
+    ``authorization``: the header as given, instead of ``Bearer <token>``)."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers = {"Content-Type": content_type} if data is not None and content_type is not None else {}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
+    if authorization is not None:
+        headers["Authorization"] = authorization
     req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -94,3 +98,55 @@ def rm_app(rm_dir: Path, log: Callable[[str], None] = lambda _: None, **serve: A
     cfg = serve_config(reward_model=str(rm_dir), **serve)
     token = read_token_file(cfg.serve.token_file, "--token-file") if cfg.serve.token_file else None
     return create_app(cfg.serve, lambda: load_service(cfg, log), token, log)
+
+
+class FakeTokenizer:
+    """A stand-in for the reward model's tokenizer: a vocabulary of 1000 ids, a chat template that counts its
+    calls (so a test sees whether a request's rows were rendered)."""
+
+    pad_token_id, eos_token_id, chat_template = 0, 1, "fake"
+
+    def __init__(self) -> None:
+        self.rendered = 0
+
+    def __len__(self) -> int:
+        return 1000
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<pad>": 0, "</s>": 1}
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        self.rendered += 1
+        return "".join(m["content"] for m in messages)
+
+
+def fake_rm_app(seconds_per_token: float = 0.0, rows_delay: float = 0.0, **limits: Any) -> Any:
+    """A server of a stand-in reward model whose score of a row is the sum of its ids and whose forward sleeps
+    ``seconds_per_token`` per padded token (so a test controls how long a request holds the worker); the
+    service's ``rows`` sleeps ``rows_delay`` (a slow tokenizer). Requests send ``input_ids``. The service is
+    ``app.state.fake`` (its ``forwards``: the rows of each forward)."""
+    import torch
+
+    from dschat.config import ServeArgs
+    from dschat.rlhf.scoring import score_width
+    from dschat.serving.server import create_app
+    from dschat.serving.service import RewardService
+
+    class FakeService(RewardService):
+        forwards: list[int] = []
+
+        def rows(self, req: Any) -> list[list[int]]:
+            time.sleep(rows_delay)
+            return super().rows(req)
+
+        def score_rows(self, rows: list[list[int]]) -> torch.Tensor:
+            time.sleep(seconds_per_token * sum(score_width(len(r)) for r in rows))
+            self.forwards.append(len(rows))
+            return torch.tensor([float(sum(r)) for r in rows])
+
+    args = ServeArgs(**limits)
+    service = FakeService(["rm"], [], {}, object(), FakeTokenizer(), args, {})
+    service.forwards = []
+    app = create_app(args, lambda: service)
+    app.state.fake = service
+    return app

@@ -293,3 +293,111 @@ def test_grpo_remote_equals_in_process_and_resumes_after_the_server_dies(rm_dir,
             if path.is_file() and path.stat().st_size < 5_000_000:
                 assert secret.encode() not in path.read_bytes(), path
     assert secret not in "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ hardening
+class _Raw(BaseHTTPRequestHandler):
+    """A handler whose answer to any request is ``self.server.answer(handler)`` (writes to ``wfile`` itself)."""
+
+    def _any(self) -> None:
+        self.server.seen.append((self.command, self.path, dict(self.headers.items())))  # type: ignore[attr-defined]
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            self.server.answer(self)  # type: ignore[attr-defined]
+        except OSError:  # the client gave up
+            pass
+
+    do_GET = do_POST = _any  # noqa: N815 - http.server's names
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def raw_server(answer: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[Any]:
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Raw)
+    server.daemon_threads = True
+    server.answer, server.seen = answer, []
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def redirect_to(target: str) -> Callable[[BaseHTTPRequestHandler], None]:
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(302)
+        h.send_header("Location", target + h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    return answer
+
+
+def test_a_redirect_is_refused_and_the_token_never_reaches_the_other_host():
+    """A server answering 302 (POST /score, and GET /info that the client asks for the tokenizer): the client
+    stops with one line, at once (no retry), and the host redirected to receives nothing, least of all the
+    token."""
+    from types import SimpleNamespace
+
+    secret = "tok-stays-home"
+    with raw_server(lambda h: ok_answer(h)) as elsewhere, raw_server(redirect_to(elsewhere.url)) as s:
+        fn = client(s.url + "/score", token=secret)
+        with pytest.raises(UserError, match="answered HTTP 302 .*redirects are not followed") as e:
+            fn(["p"], ["a"])
+        assert "\n" not in str(e.value) and secret not in str(e.value) and not isinstance(e.value, RewardServerDown)
+        # token ids are sent only when /info's tokenizer matches: that GET is redirected too
+        ids = client(s.url + "/score", token=secret)
+        ids.bind_tokenizer(SimpleNamespace(get_vocab=lambda: {"a": 0}, eos_token_id=0))
+        with pytest.raises(UserError, match="answered HTTP 302"):
+            ids(["p"], ["a"], token_ids=[[0]])
+        assert [(m, p) for m, p, _ in s.seen] == [("POST", "/score"), ("GET", "/info")]
+        assert all(h.get("Authorization") == f"Bearer {secret}" for _, _, h in s.seen)
+        assert elsewhere.seen == [] and fn.sleeps == [] and ids.sleeps == []
+
+
+def ok_answer(h: BaseHTTPRequestHandler) -> None:
+    raw = b'{"scores": [1.0]}'
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(raw)))
+    h.end_headers()
+    h.wfile.write(raw)
+
+
+def test_the_timeout_bounds_the_whole_request_not_each_read():
+    """A reply dripped one byte every 0.2 s (headers included) never ends within a 1 s timeout: the request fails
+    at 1 s (each read alone would have been well inside it), then once more on its retry."""
+    reply = b'HTTP/1.0 200 OK\r\nContent-Length: 17\r\n\r\n{"scores": [1.0]}'
+
+    def drip(h: BaseHTTPRequestHandler) -> None:
+        for byte in reply:
+            h.wfile.write(bytes([byte]))
+            h.wfile.flush()
+            time.sleep(0.2)
+
+    with raw_server(drip) as s:
+        fn = client(s.url + "/score", timeout=1.0, retries=1)
+        t0 = time.monotonic()
+        with pytest.raises(RewardServerDown, match=r"timed out: no whole reply within 1 s \(--reward-timeout\)"):
+            fn(["p"], ["a"])
+        took = time.monotonic() - t0
+    assert 2.0 <= took < 3.5 and len(s.seen) == 2, took
+
+
+def test_a_score_past_floats_range_is_not_finite_and_not_asked_again_row_by_row():
+    """10**400 as a JSON integer: "not a finite number", one request (the mixer must not re-ask the server row by
+    row, as it does to locate a row that makes a user function raise)."""
+    huge = b"1" + b"0" * 400
+
+    with stub(lambda b, h: (200, b'{"scores": [' + huge + b", " + huge + b"]}")) as s:
+        mixer = RewardMixer([s.url], [1.0])
+        with pytest.raises(UserError, match="a score is not a finite number") as e:
+            mixer(["p", "q"], ["a", "b"])
+        assert "raised" not in str(e.value) and len(s.seen) == 1
+    with stub(lambda b, h: (200, b'{"scores": [' + b"7" * 5000 + b"]}")) as s:  # past int()'s digit limit
+        with pytest.raises(UserError, match="not JSON"):
+            RewardMixer([s.url], [1.0])(["p"], ["a"])
+        assert len(s.seen) == 1
