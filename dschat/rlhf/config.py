@@ -30,7 +30,7 @@ from dschat.config import (
     piece,
 )
 from dschat.errors import UserError
-from dschat.rewards.names import JUDGE, RM
+from dschat.rewards.names import JUDGE, RM, reward_sources
 from dschat.rewards.remote import is_remote
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.specs import DPOArgs, GRPOArgs, PPOArgs, RLOOArgs
@@ -89,8 +89,10 @@ class RewardArgs:
                                 "default).")
     reward_funcs: list[str] = arg(help="Reward source (repeatable): rm (the reward model's end score), format, "
                                        "accuracy, judge_match, overlong, judge (a generative judge, --judge-model), "
-                                       "or path/to/file.py:function. Default: rm with --reward-model (PPO: always), "
-                                       "else format and accuracy.", factory=list)
+                                       "or path/to/file.py:function, or a reward server's URL; LABEL=SOURCE names "
+                                       "its metrics (train/reward/LABEL; default: the function's name, made "
+                                       "unique). Default: rm with --reward-model (PPO: always), else format and "
+                                       "accuracy.", factory=list)
     reward_weights: list[str] = arg(help="Weight of each --reward-funcs entry, in order (repeatable floats; "
                                          "default 1 each).", factory=list)
     judge_model: str = arg("", "Generative judge (RM-R1) of the reward source 'judge': a causal LM, e.g. a `dschat "
@@ -241,8 +243,9 @@ class RLHFConfig:
         return out
 
     def reward_func_names(self) -> list[str]:
-        """The run's reward sources: --reward-funcs or the algorithm's default (and what it adds)."""
-        return self.algorithm.reward_func_names(self)
+        """The run's reward sources: --reward-funcs (without their ``LABEL=``) or the algorithm's default (and what
+        it adds)."""
+        return reward_sources(self.algorithm.reward_func_names(self))
 
     def optim_of(self, who: str) -> OptimArgs:
         """The full ``OptimArgs`` of 'actor' or 'critic': its own rate and decay, the shared schedule."""

@@ -236,9 +236,25 @@ def write_model_meta(module: torch.nn.Module, tokenizer: Any, folder: Path) -> N
 
 
 def truncate_metrics(output_dir: str | Path, step: int) -> None:
-    """Drop logged rows past the resumed step (they will be logged again) and any half-written last line."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists() or not E.is_main():
+    """Drop logged rows past the resumed step (they will be logged again) and any half-written last line, from
+    ``metrics.jsonl`` and TensorBoard's events alike (``purge_tensorboard``)."""
+    if not E.is_main():
         return
-    rows, _ = read_jsonl_rows(path)
-    write_jsonl([row for row in rows if row.get("step", 0) <= step], path)
+    path = Path(output_dir) / "metrics.jsonl"
+    if path.exists():
+        rows, _ = read_jsonl_rows(path)
+        write_jsonl([row for row in rows if row.get("step", 0) <= step], path)
+    purge_tensorboard(Path(output_dir) / "tensorboard", step)
+
+
+def purge_tensorboard(folder: Path, step: int) -> None:
+    """Abandon TensorBoard's events past ``step`` in ``folder``: a new event file that starts a session at
+    ``step + 1`` (the writer's ``purge_step``), which TensorBoard's reader takes as the end of every earlier event
+    from that step on. The files stay; what they show is cut as ``metrics.jsonl`` is."""
+    if not folder.is_dir():
+        return
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # no TensorBoard, so nothing reads the folder
+        return
+    SummaryWriter(str(folder), purge_step=step + 1).close()

@@ -73,6 +73,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
                 if (out / stale).exists():
                     (out / stale).unlink()
             shutil.rmtree(checkpoint_root(out), ignore_errors=True)
+            shutil.rmtree(out / "tensorboard", ignore_errors=True)  # else its curves would overlay the new run's
         write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
     E.barrier()
     memory.reset()  # this run's figures only (a rollback runs the stage again in this process)

@@ -48,14 +48,14 @@ def tracker_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def in_child(function: str, out: Path, env: dict[str, str]) -> dict:
+def in_child(function: str, out: Path, env: dict[str, str], cwd: Path = ROOT, code: int = 0) -> dict:
     """``function(out)`` of this module in a fresh process (its tracker libraries and their settings stay out of
-    the test process); its JSON result."""
-    code = f"import json; from tests.dschat.test_trackers import {function} as f; print(json.dumps(f({str(out)!r})))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    the test process), started in ``cwd``; its JSON result (``code``: the exit status it must end with)."""
+    run = f"import json; from tests.dschat.test_trackers import {function} as f; print(json.dumps(f({str(out)!r})))"
+    proc = subprocess.run([sys.executable, "-c", run], cwd=cwd, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if code == 0 else {}
 
 
 def write_every_tracker(out: str) -> dict:
@@ -379,3 +379,218 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
     assert got["mlflow"]["status"] == "FINISHED" and got["mlflow"]["params"] == {"seed": "7", "data": '["a.jsonl"]'}
     assert got["mlflow"]["metrics"]["train/loss"] == {"1": 0.5, "2": 0.25, "3": 0.125, "4": 0.0625}
     assert got["trackio"]["name"] == ids["trackio"] == "run"
+
+
+# ------------------------------------------------------------------ names, endings, artifacts, steps that go back
+ODD = "train/reward//abs/path/rewards.py:fn"  # what a reward given by path was named before sources had labels
+LONG = "train/" + "x" * 300  # past MLflow's 250 characters: refused whatever its characters
+
+
+def odd_and_refused_keys(out: str) -> dict:
+    """Rows whose keys MLflow would refuse as given (run in a child process)."""
+    tracker = RunTracker(out, True, 2, progress=False, report_to="tensorboard,jsonl,mlflow", config={"seed": 7})
+    lines: list[str] = []
+    tracker.message = lines.append
+    tracker.log(1, {ODD: 1.0, LONG: 2.0, "train/loss": 0.5})
+    tracker.log(2, {LONG: 3.0, "train/loss": 0.25})
+    tracker.close()
+    return {"lines": lines}
+
+
+def mlflow_run(out: str) -> dict:
+    """The MLflow run of ``out``'s local store: status and metric histories (run in a child process)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI") or trackers.mlflow_local_uri(Path(out)))
+    experiment = client.get_experiment_by_name(trackers.PROJECT)
+    [run] = client.search_runs([experiment.experiment_id])
+    rid = run.info.run_id
+    return {"status": run.info.status, "artifact_uri": run.info.artifact_uri,
+            "artifacts": sorted(a.path for d in ("alarms", "samples") for a in client.list_artifacts(rid, d)),
+            "metrics": {k: {str(m.step): m.value for m in sorted(client.get_metric_history(rid, k),
+                                                                 key=lambda m: m.timestamp)}
+                        for k in run.data.metrics}}
+
+
+def test_a_key_a_tracker_refuses_is_dropped_there_and_the_tracker_stays_on(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    needs_trackers()
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+    lines = in_child("odd_and_refused_keys", out, env)["lines"]
+    got = in_child("mlflow_run", out, env)
+    assert got["status"] == "FINISHED"
+    assert got["metrics"] == {"train/loss": {"1": 0.5, "2": 0.25}, "train/reward/abs/path/rewards.py_fn": {"1": 1.0}}
+    [line] = [x for x in lines if "refused" in x]  # one line for the refused key, and nothing else said
+    assert line.startswith(f"mlflow: refused {LONG} (") and line.endswith("not logged there from now on "
+                                                                           "(metrics.jsonl has them)")
+    assert len(lines) == 1  # the tracker stayed on: no "logging failed"
+    tags = EventAccumulator(str(out / "tensorboard")).Reload().Tags()["scalars"]
+    assert sorted(tags) == sorted(["train/loss", "train/reward/abs/path/rewards.py_fn", LONG])
+    assert trackers.metric_name("a//b/../c d:e/") == "a/b/__/c_d_e"
+
+
+def ends_failed_without_close(out: str) -> dict:
+    """A tracker left open by an error before the stage's ``finally`` (run in a child process, which fails)."""
+    tracker = RunTracker(out, True, 2, progress=False, report_to="jsonl,mlflow", config={})
+    tracker.log(1, {"train/loss": 0.5})
+    raise RuntimeError("the stage failed before its finally")
+
+
+def ends_killed_on_a_stop(out: str) -> dict:
+    """A health stop on its way out through the stage's ``finally`` (run in a child process)."""
+    from dschat.training.health import HealthStop
+
+    tracker = RunTracker(out, True, 2, progress=False, report_to="jsonl,mlflow", config={})
+    try:
+        try:
+            tracker.log(1, {"train/loss": 0.5})
+            raise HealthStop("stopped by the health alarm")
+        finally:
+            tracker.close()
+    except HealthStop:
+        return {}
+
+
+def test_every_external_run_ends_when_the_process_does(tmp_path):
+    needs_trackers()
+    env = tracker_env(tmp_path)
+    in_child("ends_failed_without_close", tmp_path / "failed", env, code=1)
+    assert in_child("mlflow_run", tmp_path / "failed", env)["status"] == "FAILED"  # not RUNNING for ever
+    in_child("ends_killed_on_a_stop", tmp_path / "stopped", env)
+    assert in_child("mlflow_run", tmp_path / "stopped", env)["status"] == "KILLED"
+
+
+def test_mlflow_artifacts_stay_out_of_the_current_folder(tmp_path):
+    """A database store named by MLFLOW_TRACKING_URI keeps its artifacts under the output folder, not in ./mlruns
+    of wherever the command was started (a git checkout, say)."""
+    needs_trackers()
+    cwd, out = tmp_path / "checkout", tmp_path / "run"
+    cwd.mkdir()
+    (tmp_path / "store").mkdir()
+    env = {**tracker_env(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"}
+    in_child("write_every_tracker", out, env, cwd=cwd)
+    assert list(cwd.iterdir()) == []  # no mlruns/
+    got = in_child("mlflow_run", out, env)
+    assert got["artifacts"] == ["alarms/step_00000002_kl_max.json", "samples/step_00000002.json"]
+    assert got["artifact_uri"].startswith((out / "mlflow" / "artifacts").resolve().as_uri())
+    assert (out / "mlflow" / "artifacts").is_dir() and not (out / "mlflow" / "mlflow.db").exists()
+
+
+def first_attempt(out: str) -> dict:
+    """Steps 1-4 and an evaluation at 4, then stopped by an alarm (run in a child process)."""
+    tracker = RunTracker(out, True, 4, progress=False, report_to=ALL, config={"seed": 7})
+    for step in range(1, 5):
+        tracker.log(step, {"train/loss": float(step)})
+    tracker.log(4, {"eval/reward": 0.75})
+    tracker.close("KILLED")
+    return {}
+
+
+def rolled_back_to_2(out: str) -> dict:
+    """A rollback to the state of step 2: the cut, then steps 3-5 again at other values (run in a child process)."""
+    from dschat.training.resume import truncate_metrics
+
+    truncate_metrics(out, 2)
+    tracker = RunTracker(out, True, 5, progress=False, report_to=ALL, config={"seed": 7})
+    for step in range(3, 6):
+        tracker.log(step, {"train/loss": 10.0 + step})
+    tracker.close("KILLED")
+    return {}
+
+
+def resumed_at_5(out: str) -> dict:
+    """``--resume`` from the state of step 5: step 6 (run in a child process)."""
+    from dschat.training.resume import truncate_metrics
+
+    truncate_metrics(out, 5)
+    tracker = RunTracker(out, True, 6, progress=False, report_to=ALL, config={"seed": 7})
+    tracker.log(6, {"train/loss": 16.0})
+    tracker.close()
+    return {}
+
+
+@pytest.mark.slow
+def test_curves_across_a_rollback_and_a_resume_are_one_value_per_step(tmp_path):
+    """Each tracker read back with its own reader holds one value per step, metrics.jsonl's: the rolled-back steps'
+    new values, none of the abandoned ones (the evaluation at the abandoned step 4 included)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    needs_trackers()
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+    for attempt in ("first_attempt", "rolled_back_to_2", "resumed_at_5"):
+        in_child(attempt, out, env)
+    expected = {1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0, 5: 15.0, 6: 16.0}
+    assert {s: r["train/loss"] for s, r in jsonl_scalars(out).items()} == expected
+    assert all("eval/reward" not in r for r in jsonl_scalars(out).values())
+
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == list(expected.items())
+    assert events.Scalars("eval/reward") == []  # the abandoned evaluation is gone too
+
+    got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})
+    assert_every_scalar_found(got, out)  # each step's latest value in W&B, MLflow and Trackio is metrics.jsonl's
+    assert sorted(map(int, got["wandb"]["history"])) == sorted(expected)  # every step arrived
+    # W&B plots every metric against dschat's own step, so a step below the run's current one is kept
+    assert any(m.get("name") == trackers.STEP_METRIC for m in got["wandb"]["metrics"])
+    assert any(m.get("glob_name") == "*" and m.get("step_metric") == trackers.STEP_METRIC
+               for m in got["wandb"]["metrics"]), got["wandb"]["metrics"]
+    assert got["mlflow"]["metrics"]["train/loss"] == {str(s): v for s, v in expected.items()}
+    assert got["mlflow"]["status"] == "FINISHED"
+
+
+def test_a_fresh_start_clears_the_old_runs_tensorboard(tmp_path):
+    """--force (or any fresh start in the folder) removes O/tensorboard/ with the other outputs of the old run;
+    TensorBoard overlaid the old run's curves and the new one's."""
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "events.out.tfevents.1.old").write_bytes(b"")
+    (out / "eval.json").write_text("{}")
+    code = ("from dschat.config import SFTConfig, build_config; from dschat.training.stage import begin_stage; "
+            f"begin_stage(build_config(SFTConfig, {{'output_dir': {str(out)!r}, 'force': True}}), 'sft', 'x')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == [".dschat.lock", "args.json"]
+
+
+@pytest.mark.slow
+def test_a_stage3_run_with_a_reward_by_path_rolled_back_and_resumed_reports_to_every_tracker(tmp_path):
+    """The reward function given by its absolute path (its metrics were train/reward//abs/path...:length, which
+    MLflow refused, turning itself off for the run), a rollback (the KL ceiling as in test_health), then --resume
+    for two more steps: every tracker, read with its own reader, holds one value per step, metrics.jsonl's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.dschat.test_health import grpo_argv
+
+    needs_trackers()
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+
+    def train(*extra: str) -> subprocess.CompletedProcess:
+        argv = grpo_argv(tmp_path, out, "--report-to", ALL, "--log-interval", "1", *extra)
+        return subprocess.run([sys.executable, "-c", "from dschat.cli.main import cli; cli()", *argv], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=900)
+
+    first = train("--alarm-kl-ceiling", "6e-4", "--on-alarm", "rollback", "--max-rollbacks", "2", "--alarm-window",
+                  "4")
+    assert first.returncode in (0, 4), first.stderr[-3000:]
+    assert "rolled back to" in first.stderr
+    second = train("--resume", "--max-steps", "6")
+    assert second.returncode == 0, second.stderr[-3000:]
+    for proc in (first, second):
+        assert "logging failed" not in proc.stderr and "refused" not in proc.stderr, proc.stderr[-3000:]
+
+    expected = jsonl_scalars(out)
+    assert sorted(expected) == [0, 1, 2, 3, 4, 5, 6] and "train/reward/length" in expected[3]
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    for key in {k for row in expected.values() for k in row}:
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        want = [(s, row[key]) for s, row in sorted(expected.items()) if key in row]
+        assert [s for s, _ in got] == [s for s, _ in want], key  # one value per step, none abandoned
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+    got = in_child("read_trackers", out, {**env, "TRACKIO_DIR": str(out / "trackio")})
+    assert_every_scalar_found(got, out)
+    assert got["mlflow"]["status"] == "FINISHED"
+    assert sorted(map(int, got["wandb"]["history"])) == sorted(expected)
