@@ -220,7 +220,9 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
         for when, m in evals.items():
             for key in ("accuracy", "accuracy_se", "unparseable_rate", "accuracy_when_a", "accuracy_when_b",
                         "position_bias", "format_rate", "n"):
-                report[f"judge_{key}_{when}"] = m.get(key)
+                # a standard error's name ends in _se after its when (judge_accuracy_before_se), as in eval.json
+                name = f"judge_{key.removesuffix('_se')}_{when}" + ("_se" if key.endswith("_se") else "")
+                report[name] = m.get(key)
         b, a = evals["before"], evals["after"]
         if b.get("accuracy") is not None and a.get("accuracy") is not None:
             from dschat.stats import paired_se  # torch: imported only when there is a report to write
@@ -424,8 +426,8 @@ REPORT_LINES: dict[str, list[str | tuple[str, str]]] = {
               "GRPO  judge_match       {judge_match_reward_before} -> {judge_match_reward_after} (sampled, on GRPO's "
               "own held-out rows)",
               ("judge_reward_funcs", "      {f:<17} {judge_reward_{f}_before} -> {judge_reward_{f}_after} (sampled)"),
-              "JUDGE accuracy          {judge_accuracy_before} ± {judge_accuracy_se_before} -> "
-              "{judge_accuracy_after} ± {judge_accuracy_se_after} (gain {judge_accuracy_gain} ± "
+              "JUDGE accuracy          {judge_accuracy_before} ± {judge_accuracy_before_se} -> "
+              "{judge_accuracy_after} ± {judge_accuracy_after_se} (gain {judge_accuracy_gain} ± "
               "{judge_accuracy_gain_se} s.e., {judge_n_after!s} held-out rows, greedy)",
               "      unparseable       {judge_unparseable_rate_before} -> {judge_unparseable_rate_after}",
               "      position bias     {judge_position_bias_before} -> {judge_position_bias_after} (accuracy when A "

@@ -356,8 +356,7 @@ def _before_after(ev: dict[str, Any]) -> list[tuple[str, float, float, float | N
         b, a = ev.get(f"{prefix}_before"), ev.get(f"{prefix}_after")
         if not (isinstance(b, int | float) and isinstance(a, int | float)):
             continue
-        se_b = ev.get(f"{prefix}_before_se", ev.get(f"{prefix}_se_before"))
-        se_a = ev.get(f"{prefix}_after_se", ev.get(f"{prefix}_se_after"))
+        se_b, se_a = ev.get(f"{prefix}_before_se"), ev.get(f"{prefix}_after_se")
         gain, gain_se = ev.get(f"{prefix}_gain", a - b), ev.get(f"{prefix}_gain_se")
         text = f"{gain:+.3f}" + (f" ± {gain_se:.3f}" if isinstance(gain_se, int | float) else "")
         out.append((name, float(b), float(a), se_b if isinstance(se_b, int | float) else None,
@@ -402,7 +401,7 @@ def key_figures(ev: dict[str, Any]) -> list[tuple[str, str]]:
     used: set[str] = set()
     pairs: list[tuple[str, str]] = []
     for key in ev:
-        if not key.endswith("_before") or key in used:  # used: a pair's ``<x>_se_before``
+        if not key.endswith("_before") or key in used:
             continue
         base = key[: -len("_before")]
         after_key = f"{base}_after" if f"{base}_after" in ev else base if base in ev else None
@@ -410,11 +409,10 @@ def key_figures(ev: dict[str, Any]) -> list[tuple[str, str]]:
         if not isinstance(b, int | float) or not isinstance(a, int | float):
             continue
         parts = []
-        for value, se_keys in ((b, (f"{base}_before_se", f"{base}_se_before")),
-                               (a, (f"{base}_after_se", f"{base}_se_after"))):
-            se = next((ev[s] for s in se_keys if isinstance(ev.get(s), int | float)), None)
+        for value, se_key in ((b, f"{base}_before_se"), (a, f"{base}_after_se")):  # eval.json's one spelling
+            se = ev[se_key] if isinstance(ev.get(se_key), int | float) else None
             parts.append(_fmt(value) + (f" ± {_fmt(se)}" if se is not None else ""))
-            used.update(se_keys)
+            used.add(se_key)
         text = " → ".join(parts)
         gain, gain_se = ev.get(f"{base}_gain"), ev.get(f"{base}_gain_se")
         if isinstance(gain, int | float) or isinstance(gain_se, int | float):

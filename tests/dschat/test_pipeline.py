@@ -111,7 +111,7 @@ REPORT = {"sft_perplexity_before": 4155.889, "sft_perplexity": 9.3211, "rm_accur
           "judge_reward_funcs": ["judge_match", "format"], "judge_match_reward_before": -0.2,
           "judge_match_reward_after": 0.4,
           "judge_reward_format_before": 0.1, "judge_reward_format_after": 0.9, "judge_accuracy_before": 0.55,
-          "judge_accuracy_se_before": 0.05, "judge_accuracy_after": 0.7, "judge_accuracy_se_after": 0.045,
+          "judge_accuracy_before_se": 0.05, "judge_accuracy_after": 0.7, "judge_accuracy_after_se": 0.045,
           "judge_accuracy_gain": 0.15, "judge_accuracy_gain_se": 0.04, "judge_n_after": 100,
           "judge_unparseable_rate_before": 0.3, "judge_unparseable_rate_after": 0.05, "judge_position_bias_before": 0.2,
           "judge_position_bias_after": -0.05, "judge_format_rate_before": 0.4, "judge_format_rate_after": None,

@@ -210,13 +210,20 @@ def test_user_mistakes_are_one_line_errors_naming_the_folder(tmp_path):
 
 def test_key_figures_pairs_before_and_after():
     figures = dict(key_figures({"perplexity": 9.0, "perplexity_before": 4155.9, "reward_before": 3.6,
-                                "reward_after": 4.28, "reward_se_before": 0.14, "reward_se_after": 0.08,
+                                "reward_after": 4.28, "reward_before_se": 0.14, "reward_after_se": 0.08,
                                 "reward_gain_se": 0.135, "loss_type": "grpo", "reward_funcs": ["format", "accuracy"],
                                 "alarms": [{"step": 3}], "nothing": [], "flag": True}))
     assert figures == {"perplexity": "4156 → 9", "reward": "3.6 ± 0.14 → 4.28 ± 0.08 (gain +0.68 ± 0.135)",
                        "loss_type": "grpo", "reward_funcs": "format, accuracy", "flag": "True"}
     assert {p.name for p in PLOTS} >= {"loss", "reward", "kl", "entropy", "answer_length", "eos_rate", "grad_norm",
                                        "accuracy", "scores", "perplexity"}
+
+
+def test_a_standard_error_has_one_spelling():
+    """``<x>_before_se``/``<x>_after_se`` only: the other order is not read as the pair's error, so a writer that
+    drifts to it shows at once (its key stands alone among the scalars)."""
+    figures = dict(key_figures({"reward_before": 3.6, "reward_after": 4.28, "reward_se_before": 0.14}))
+    assert figures == {"reward": "3.6 → 4.28", "reward_se_before": "0.14"}
 
 
 def test_the_pipeline_draws_the_report_and_never_fails_on_it(tmp_path, monkeypatch):
