@@ -471,3 +471,14 @@ def test_a_kl_ceiling_rollback_lands_a_window_before_the_crossing(tmp_path):
     # crossed at step 32 (measured before step 32's update): the state of step 30 is the last one below the ceiling,
     # and one just below it would cross again at once; the rollback lands a window (20 steps) before it
     assert [(a.step, a.check, a.since) for a in m.pending] == [(32, "kl_ceiling", 10)]
+
+
+def test_each_check_its_flag_and_its_function_read_alike():
+    """kl_ceiling / --alarm-kl-ceiling / _kl_ceiling; only a threshold two checks share (a z-score) or one named by
+    its unit keeps another name."""
+    by_unit = {"reward_hacking": "alarm_hacking_z", "source_divergence": "alarm_hacking_z",
+               "rm_range": "alarm_rm_sigma", "clip_pinned": "alarm_clip_frac"}
+    for check in H.CHECKS:
+        assert check.fn.__name__ == f"_{check.name}"
+        if check.threshold is not None:
+            assert check.threshold == by_unit.get(check.name, f"alarm_{check.name}")
