@@ -116,6 +116,8 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         """DPO steps over the step's ``M`` pairs (chosen rows first), ``--per-device-train-batch-size`` per
         micro-batch; the metrics are means over micro-batches and ranks."""
         M, actor = pairs.sequences.shape[0] // 2, self.models.actor
+        if M == 0:  # every group tied on every rank (M is the fewest on any rank): nothing to learn from
+            return {}
         sums: dict[str, float] = {}
         chunks = torch.arange(M).split(self.cfg.optim.per_device_train_batch_size)
         for i, idx in enumerate(chunks, 1):

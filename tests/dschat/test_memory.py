@@ -273,3 +273,101 @@ def test_the_report_draws_the_memory_figures(tmp_path) -> None:
     (other / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
     write_report([other])
     assert not (other / "report" / "memory.png").exists()
+
+
+# Every stage and algorithm on the tiny preset, one or two steps: the memory figures of each of its phases in
+# metrics.jsonl and eval.json, and (stage 3) the rows its step() sampled against what its spec tells the planner.
+STAGE3_ALGOS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "online_dpo", "dpo")
+PHASES = {1: {"train", "eval"}, 2: {"train", "eval"}, "ppo": {"generate", "experience", "train_actor", "train_critic"},
+          "dpo": {"experience", "train_actor", "eval"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_of", [1, 2, *STAGE3_ALGOS])
+def test_every_stage_and_algorithm_logs_its_memory_figures(tmp_path, monkeypatch, run_of) -> None:
+    from dschat.config import RewardConfig, SFTConfig, build_config
+    from dschat.generation.hybrid_engine import HybridEngine
+    from dschat.rlhf.config import RLHFConfig
+    from tests.helpers import read_json, read_jsonl
+    from tests.helpers import run_stage as run
+
+    out = tmp_path / str(run_of)
+    common = {"output_dir": str(out), "max_steps": 2, "progress": False, "force": True, "max_eval_rows": 2,
+              "per_device_eval_batch_size": 2}
+    sampled: list[tuple[bool, int]] = []  # (inside a training step, rows) of each generation call
+    in_step = [False]
+    if run_of == 1:
+        cfg = build_config(SFTConfig, {"model": "tiny", "per_device_train_batch_size": 4, **common})
+    elif run_of == 2:
+        cfg = build_config(RewardConfig, {"model": "tiny", "per_device_train_batch_size": 2, **common})
+    else:
+        values = {"algo": run_of, "actor_model": "tiny", "max_answer_seq_len": 6, "per_device_train_batch_size": 2,
+                  **common}
+        if run_of == "ppo":
+            values.update(reward_model="tiny", per_device_generation_batch_size=2)
+        elif run_of != "dpo":
+            values.update(num_generations=3, per_device_generation_batch_size=2)
+        cfg = build_config(RLHFConfig, values)
+        algo = cfg.algorithm.load()
+        step = algo.step
+
+        def spied_step(self, stream):
+            in_step[0] = True
+            try:
+                return step(self, stream)
+            finally:
+                in_step[0] = False
+
+        monkeypatch.setattr(algo, "step", spied_step)
+        sample = HybridEngine.sample
+
+        def spied_sample(self, prompt, *args, **kwargs):
+            sampled.append((in_step[0], prompt.shape[0]))
+            return sample(self, prompt, *args, **kwargs)
+
+        monkeypatch.setattr(HybridEngine, "sample", spied_sample)
+    run(cfg)
+    rows = read_jsonl(out / "metrics.jsonl")
+    phases = PHASES.get(run_of, {"generate", "experience", "train_actor"})
+    # a step's row (online DPO's untrained tiny actor may tie every group, so a step may have no loss)
+    trained = [r for r in rows if any(k.startswith("train/") for k in r)]
+    assert trained, rows
+    figure = "peak_rss" if not torch.cuda.is_available() else "peak_allocated"
+    once = {"experience"} if run_of == "dpo" else set()  # DPO's reference log-probs: once, before its first step
+    for name in phases - {"eval"}:
+        seen = [f"memory/{name}_{figure}_mib" in r for r in trained]
+        assert (any(seen) if name in once else all(seen)), (name, trained[0])
+    assert all(r["memory/oom_splits"] == 0 for r in trained)
+    memory_of = read_json(out / "eval.json")["memory"]
+    assert phases | {"eval"} <= set(memory_of["phases"]) and memory_of["peak_mib"] > 0
+    if run_of in (1, 2):
+        return
+    # what a training step sampled, against the spec the planner reads (dschat.rlhf.specs)
+    spec, prompts = cfg.algorithm, cfg.rl.per_device_generation_batch_size
+    in_training = [n for inside, n in sampled if inside]
+    assert sum(in_training) == 2 * prompts * spec.sampled_per_prompt(cfg)  # two steps
+    assert max(in_training, default=0) == spec.generation_rows(cfg)
+
+
+def test_the_stop_line_names_the_plan_and_the_flags_it_says_would_fit(monkeypatch, tmp_path) -> None:
+    from dschat.planning import make_plan
+    from dschat.planning.gpus import GiB
+
+    monkeypatch.setattr(oom, "device_memory", lambda: ("A100-80GB", 24 * GiB))
+    values = {"model": "llama-2-7b", "zero_stage": 0}
+    monkeypatch.setattr(oom, "CONTEXT", oom.RunContext(1, values, tmp_path, 1))
+    memory.reset(Scripted())
+    line = oom.stop_line("train", 3, RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB"), "kept X")
+    plan = make_plan(1, values, gpu="A100-80GB", gpu_memory=24 * GiB)
+    assert not plan.fits and plan.suggestion
+    assert line == (f"out of memory in stage 1, phase train, micro-batch 3: the plan's peak "
+                    f"{plan.peak_bytes / GiB:.2f} GiB per device of 24.00 GiB; it says this fits: "
+                    f"{plan.suggestion}; kept X")
+    # a plan that says "fits" under-counted this run: the flags that fit in memory shrunk by the overshoot
+    small = {"model": "opt-125m", "zero_stage": 0}
+    monkeypatch.setattr(oom, "CONTEXT", oom.RunContext(1, small, tmp_path, 1))
+    fits = make_plan(1, small, gpu="A100-80GB", gpu_memory=24 * GiB)
+    assert fits.fits
+    line = oom.stop_line("train", 1, RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"), "kept X")
+    scaled = make_plan(1, small, gpu="A100-80GB", gpu_memory=int(24 * GiB * fits.peak_bytes / (44 * GiB)))
+    assert f"it says this fits: {scaled.suggestion}" in line and scaled.suggestion
