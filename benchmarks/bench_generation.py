@@ -33,8 +33,8 @@ import torch  # noqa: E402
 from dschat import engine as E  # noqa: E402
 from dschat.config import EngineArgs, OptimArgs  # noqa: E402
 from dschat.generation.decode import GenerationConfig  # noqa: E402
-from dschat.generation.lean_llama import LeanLlama  # noqa: E402
 from dschat.generation.hybrid_engine import HybridEngine  # noqa: E402
+from dschat.generation.lean_llama import LeanLlama  # noqa: E402
 from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 
 PROMPTS = ["\n\nHuman: 我的订单什么时候发货？\n\nAssistant:", "\n\nHuman: Where is my refund?\n\nAssistant:",

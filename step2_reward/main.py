@@ -56,8 +56,8 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     from dschat.training.checkpoint import save_hf
     from dschat.training.one_model import OneModelStage, train_one_model
     from dschat.training.reward import reward_loss, reward_values
-    from dschat.training.stage import eval_loader
     from dschat.training.run_tracker import write_eval
+    from dschat.training.stage import eval_loader
 
     def micro_step(engine: Any, batch: dict[str, Any]) -> dict[str, float]:
         values = reward_values(engine, batch)  # (2B, T), packed (--packing) or not

@@ -46,8 +46,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     from dschat.rlhf.scoring import RM, build_scorer
     from dschat.training.checkpoint import save_hf
     from dschat.training.health import Context, HealthMonitor
-    from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, eval_loader, training_loader
     from dschat.training.run_tracker import RunTracker, write_eval
+    from dschat.training.stage import EpochStream, ResumableLoop, begin_stage, eval_loader, training_loader
 
     check_config(cfg)
     Algo, d, o, rl = cfg.algorithm.load(), cfg.data, cfg.optim, cfg.rl  # the run-time class of --algo
