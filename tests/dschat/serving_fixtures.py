@@ -15,6 +15,20 @@ from pathlib import Path
 from typing import Any
 
 
+def needs_serve_extra() -> None:
+    """Skip (fail under CI, which installs it) a test that runs ``dschat serve`` without FastAPI and uvicorn."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    if all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn")):
+        return
+    if os.environ.get("CI"):
+        pytest.fail("fastapi and uvicorn are not installed (CI installs requirements-serve.txt)")
+    pytest.skip("dschat serve's extra is not installed: pip install -r requirements-serve.txt")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -238,10 +238,11 @@ FIGURES = ("reward_before", "reward_after", "reward_before_se", "reward_after_se
 
 @pytest.mark.slow
 def test_grpo_remote_equals_in_process_and_resumes_after_the_server_dies(rm_dir, tmp_path):
-    from tests.dschat.serving_fixtures import rm_app, running
+    from tests.dschat.serving_fixtures import needs_serve_extra, rm_app, running
     from tests.helpers import read_json, read_jsonl
     from tests.helpers import run_stage as run
 
+    needs_serve_extra()
     run(grpo(tmp_path / "local", ["rm"], rm_dir))
     local = read_json(tmp_path / "local" / "eval.json")
 
