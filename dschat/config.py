@@ -200,6 +200,37 @@ class KDArgs:
         return {} if self.teacher_model else {n: "without {teacher_model}" for n in ("kd_coef", "kd_temperature")}
 
 
+@dataclass
+class AgentArgs:
+    """Tool use and multi-turn environments (docs/tools.md): the sampler lets the policy call tools and answer an
+    environment's turns; only the policy's tokens are trained on."""
+
+    tools: list[str] = arg(help="Tool the policy may call (repeatable): a built-in (calculator) or "
+                                "path/to/file.py:function (its signature and docstring are the schema; NAME=... names "
+                                "it). A call is <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> or, for "
+                                "a tool with one parameter, <tool_call>name(value)</tool_call>.", factory=list)
+    env: list[str] = arg(help="Environment (repeatable): path/to/file.py:Class with reset(row) and step(text) -> "
+                              "(observation, reward, done); NAME=... names it, and with several, the data column "
+                              "--env-column picks each row's. Its reward is the source 'env' (the default reward "
+                              "with --env).", factory=list)
+    env_column: str = arg("env", "Data column naming each row's environment when --env is given more than once.")
+    max_turns: int = arg(4, "Most assistant turns in an episode (each tool call closes one); an episode still going "
+                            "then is cut.", low=1)
+    tool_timeout: float = arg(10.0, "Seconds a tool call may take; past it the episode gets an error turn and goes "
+                                    "on.", above=0)
+    tool_max_output: int = arg(2000, "Characters of a tool's result kept (its return value, or what it printed); "
+                                     "the rest is cut.", low=1)
+
+    def inert_fields(self) -> dict[str, str]:
+        out = {} if self.tools or self.env else {
+            n: "without --tools or --env" for n in ("max_turns", "tool_timeout", "tool_max_output")}
+        if not self.tools:
+            out.update({n: "without --tools" for n in ("tool_timeout", "tool_max_output")})
+        if len(self.env) < 2:
+            out["env_column"] = "without two or more --env"
+        return out
+
+
 def piece(cls: type, prefix: str = "", *, only: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
           defaults: dict[str, Any] | None = None, help: dict[str, str] | None = None,
           aliases: dict[str, tuple[str, ...]] | None = None) -> Any:

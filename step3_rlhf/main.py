@@ -29,9 +29,12 @@ if TYPE_CHECKING:
 def run(cfg: RLHFConfig) -> dict[str, Any]:
     # The training stack (torch, DeepSpeed, transformers) is imported by the run, not by the module: declaring the
     # flags (``--help``, ``dschat plan``, ``dschat doctor``) needs none of it.
+    from dataclasses import replace
+
     import torch
 
     from dschat import engine as E
+    from dschat.agents.agent import build_agent
     from dschat.data import load_phase
     from dschat.demo import demo_data
     from dschat.errors import UserError
@@ -53,9 +56,11 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     Algo, d, o, rl = cfg.algorithm.load(), cfg.data, cfg.optim, cfg.rl  # the run-time class of --algo
     stage = begin_stage(cfg, "step3_rlhf", f"output/{Algo.output_name}")
     tok = load_tokenizer(resolve_model(cfg.actor.model), cfg.model.trust_remote_code)
+    agent = build_agent(cfg.agent)  # tools and environments, if any (their schemas go to the chat template)
     with E.main_process_first():  # without --data: the algorithm's demo file (e.g. prompts with checkable answers)
         data = load_phase(d, 3, tok, cfg.run.seed, log=stage.log if E.is_main() else (lambda _: None),
-                          default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as)
+                          default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as,
+                          tools=agent.tool_schemas if agent is not None and agent.tools else None)
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
     collator = Algo.collator(tok.pad_token_id)  # prompts (PPO, GRPO) or pairs (DPO)
     prompts = training_loader(data.train, Algo.batch_size(cfg), collator, cfg.run.seed, d)  # rows per update
@@ -69,7 +74,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend, cfg.vllm,
                                 max_model_len=d.max_prompt_seq_len + rl.max_answer_seq_len)
     scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
-    gen = GenerationConfig.from_flags(rl)
+    gen = replace(GenerationConfig.from_flags(rl), agent=agent)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
 
     # 2. resume: the trained engines, the algorithm's state, the prompt stream's position, the shuffle generator
@@ -84,7 +89,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         shuffle.set_state(tensors["shuffle"])
     algo = Algo(cfg, models, hybrid, scorer, gen, shuffle, ema, state)
     stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
-    stage.log(f"actor {cfg.actor.model} | {algo.describe()} | prompts {len(data.train)} (eval {len(data.eval)}) | "
+    agent = f" | {gen.agent.describe()}" if gen.agent is not None else ""
+    stage.log(f"actor {cfg.actor.model} | {algo.describe()}{agent} | prompts {len(data.train)} "
+              f"(eval {len(data.eval)}) | "
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
               f"{cfg.actor_engine.zero_stage} | world {E.world_size()} | sampling on {hybrid.backend.name}")
 
@@ -122,6 +129,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         remote = any(is_remote(name) for name in cfg.reward_func_names())
         for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote):
             try:
+                if gen.agent is not None:
+                    gen.agent.take_metrics()  # the step's episodes alone, not an evaluation's before it
                 metrics, dropped = algo.step(stream)
             except RewardServerDown as e:  # scoring comes before the update: keep the last completed step
                 saved = loop.save_last_step()
@@ -130,7 +139,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                 raise RewardServerDown(f"{e}; {where}") from None
             dropped_total += dropped
             metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
-                            **hybrid.sync_metrics()})
+                            **hybrid.sync_metrics(), **(gen.agent.take_metrics() if gen.agent is not None else {})})
             for name, engine in models.trained.items():
                 if norms := E.take_grad_norms(engine):
                     metrics[f"train/{name}_grad_norm"] = max(norms)

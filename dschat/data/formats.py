@@ -6,6 +6,7 @@ required field is a user error naming the file, line and field; an empty value o
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -115,13 +116,44 @@ def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
         raise UserError(f"{row.get(WHERE, '?')}: field {name!r} must be a list of {{role, content}} messages")
     out = []
     for i, m in enumerate(value):
-        if "role" not in m or "content" not in m:
-            raise UserError(f"{row.get(WHERE, '?')}: field {name!r} message {i} needs 'role' and 'content'")
-        if not isinstance(m["content"], str):
-            raise UserError(f"{row.get(WHERE, '?')}: field {name!r} message {i}: 'content' must be a string")
-        out.append({"role": str(m["role"]), "content": m["content"]})
-    if not out or not any(m["content"].strip() for m in out):
+        where = f"{row.get(WHERE, '?')}: field {name!r} message {i}"
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if "role" not in m or ("content" not in m and not calls):
+            raise UserError(f"{where} needs 'role' and 'content'")
+        content = m.get("content")
+        if content is None and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise UserError(f"{where}: 'content' must be a string")
+        msg: dict[str, Any] = {"role": str(m["role"]), "content": content}
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, where)
+        if m.get("role") == "tool" and isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    if not out or not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise Dropped("empty")
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI/HF shape: ``{"type": "function", "function": {"name": ...,
+    "arguments": {...} or a JSON string}}``, or the bare ``{"name", "arguments"}``), with the arguments as an
+    object."""
+    if not isinstance(calls, list):
+        raise UserError(f"{where}: 'tool_calls' must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function", c) if isinstance(c, dict) else None
+        args = f.get("arguments", {}) if isinstance(f, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(args, dict):
+            raise UserError(f"{where}: tool call {j} needs a 'name' and 'arguments' (an object or a JSON string)")
+        out.append({"type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 
 
@@ -304,36 +336,50 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(prompt: str | Messages, tokenizer: Any) -> str:
+def render_prompt(prompt: str | Messages, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> str:
     """Prompt text ending where the assistant's answer begins.
 
     Text prompts are used as given (rm-static style prompts already hold 'Human: ... Assistant:'). Messages use
-    the tokenizer's chat template, or the plain Human/Assistant template when it has none.
+    the tokenizer's chat template (given ``tools``, the function schemas of ``--tools``, where it renders them), or
+    the plain Human/Assistant template when it has none: there a tool call is ``<tool_call>...</tool_call>`` in
+    the assistant's turn and a tool's message `` <tool_response>...</tool_response>`` right after it, which the
+    assistant continues without a new header (docs/tools.md, the plain format).
     """
     if isinstance(prompt, str):
         return prompt
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return _plain_conversation(prompt) + ASSISTANT
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **extra)
+    return _plain_conversation(prompt) + ("" if prompt and prompt[-1]["role"] == "tool" else ASSISTANT)
 
 
 def _plain_conversation(messages: Messages) -> str:
     """Messages in the Human/Assistant template, without the closing ``Assistant:`` of a generation prompt."""
+    from dschat.agents.calls import render_call, render_result
+
     parts = []
+    previous = None
     for m in messages:
-        if m["role"] == "system":
+        role = m["role"]
+        if role == "system":
             parts.append(m["content"].strip() + "\n")
-        elif m["role"] == "assistant":
-            parts.append(f"{ASSISTANT} {m['content']}")
+        elif role == "assistant":
+            calls = "".join(render_call(c["function"]["name"], c["function"]["arguments"])
+                            for c in m.get("tool_calls") or [])
+            text = m["content"] + (" " + calls if calls and m["content"] else calls)
+            parts.append(f" {text}" if previous == "tool" else f"{ASSISTANT} {text}")
+        elif role == "tool":
+            parts.append(render_result(m["content"]))
         else:
             parts.append(f"{HUMAN} {m['content']}")
+        previous = role
     return "".join(parts)
 
 
-def _render_conversation(messages: Messages, tokenizer: Any) -> str:
+def _render_conversation(messages: Messages, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> str:
     """Messages as the template writes a finished conversation (no generation prompt after it)."""
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **({"tools": tools} if tools else {}))
     return _plain_conversation(messages)
 
 
@@ -347,7 +393,8 @@ class Span:
     parts: list[str | None]
 
 
-def render_turns(prompt: str | Messages, tokenizer: Any) -> list[Span] | None:
+def render_turns(prompt: str | Messages, tokenizer: Any,
+                 tools: list[dict[str, Any]] | None = None) -> list[Span] | None:
     """``render_prompt(prompt)`` cut into spans, each assistant turn inside the prompt its own trained span (the
     multi-turn SFT of a ``messages`` row; the final answer follows, from ``render_answer``).
 
@@ -365,27 +412,28 @@ def render_turns(prompt: str | Messages, tokenizer: Any) -> list[Span] | None:
     for i, m in enumerate(prompt):
         if m["role"] != "assistant" or i == 0:
             continue
-        head = render_prompt(prompt[:i], tokenizer)
-        full = _render_conversation(prompt[: i + 1], tokenizer)
+        head = render_prompt(prompt[:i], tokenizer, tools)
+        full = _render_conversation(prompt[: i + 1], tokenizer, tools)
         if not (head.startswith(done) and full.startswith(head)):
             return None
         spans.append(Span(head[len(done):], False, [x["content"] for x in prompt[start:i]]))
         spans.append(Span(full[len(head):], True, [m["content"]]))
         done, start = full, i + 1
-    head = render_prompt(prompt, tokenizer)
+    head = render_prompt(prompt, tokenizer, tools)
     if not spans or not head.startswith(done):
         return None
     spans.append(Span(head[len(done):], False, [x["content"] for x in prompt[start:]]))
     return spans
 
 
-def render_answer(prompt: str | Messages, answer: str, tokenizer: Any) -> str:
+def render_answer(prompt: str | Messages, answer: str, tokenizer: Any,
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """The answer text that follows ``render_prompt(prompt)``, in the same template."""
     if isinstance(prompt, str):
         return answer
     if has_chat_template(tokenizer):
-        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False)
+        head = render_prompt(prompt, tokenizer, tools)
+        full = _render_conversation(prompt + [{"role": "assistant", "content": answer}], tokenizer, tools)
         if full.startswith(head):
             # The template's own end-of-turn marker stays in the answer; the EOS token is appended later.
             tail = full[len(head):]

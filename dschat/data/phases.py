@@ -130,9 +130,16 @@ def _encode(tokenizer: Any, texts: list[str], special: bool, parts: list[list[st
     return encode_texts(tokenizer, texts, parts, special)
 
 
+def _tools_of(ex: Example, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tool schemas a row's template renders: the run's, else the row's own ``tools`` field."""
+    own = ex.extra.get("tools") if isinstance(ex.extra, dict) else None
+    return tools or (own if isinstance(own, list) and own else None)
+
+
 def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data: DataArgs,
-                      counts: Counter[str]) -> list[dict[str, Any]]:
-    """Tokenize normalised examples for ``phase``; unusable rows are dropped into ``counts``."""
+                      counts: Counter[str], tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Tokenize normalised examples for ``phase``; unusable rows are dropped into ``counts``. ``tools`` (the
+    function schemas of a run's ``--tools``), else a row's own ``tools`` field, go to the chat template."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("the tokenizer has no EOS token; set one in its tokenizer_config.json")
@@ -146,7 +153,10 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             counts["dropped_identical_pair"] += 1
         else:
             usable.append(ex)
-    prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer) for ex in usable], True,
+    def tools_of(ex: Example) -> list[dict[str, Any]] | None:
+        return _tools_of(ex, tools)
+
+    prompts = _encode(tokenizer, [render_prompt(ex.prompt, tokenizer, tools_of(ex)) for ex in usable], True,
                       [prompt_parts(ex.prompt) for ex in usable])
     bos = tokenizer.bos_token_id
     prompts = [single_bos(ids, bos) for ids in prompts]
@@ -160,12 +170,14 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
             rows.append({"prompt_input_ids": ids, "answer": ex.answer, "where": ex.where,
                          "extra": _jsonable(ex.extra)})
         return rows
-    chosen = _encode(tokenizer, [render_answer(ex.prompt, ex.chosen or "", tokenizer) for ex in usable], False,
+    chosen = _encode(tokenizer, [render_answer(ex.prompt, ex.chosen or "", tokenizer, tools_of(ex)) for ex in usable],
+                     False,
                      [[ex.chosen] for ex in usable])
-    rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer) for ex in usable], False,
+    rejected = (_encode(tokenizer, [render_answer(ex.prompt, ex.rejected or "", tokenizer, tools_of(ex))
+                                    for ex in usable], False,
                         [[ex.rejected] for ex in usable])
                 if phase == 2 else [[]] * len(usable))
-    turns = _earlier_turns(usable, tokenizer, counts) if phase == 1 else {}
+    turns = _earlier_turns(usable, tokenizer, counts, tools) if phase == 1 else {}
     for i, (ex, p, c, x) in enumerate(zip(usable, prompts, chosen, rejected, strict=True)):
         p, p_labels = turns.get(i, (p, [-100] * len(p)))
         c_ids, x_ids = p + c + [eos], p + x + [eos]
@@ -190,8 +202,8 @@ def tokenize_examples(examples: list[Example], phase: int, tokenizer: Any, data:
     return rows
 
 
-def _earlier_turns(examples: list[Example], tokenizer: Any,
-                   counts: Counter[str]) -> dict[int, tuple[list[int], list[int]]]:
+def _earlier_turns(examples: list[Example], tokenizer: Any, counts: Counter[str],
+                   tools: list[dict[str, Any]] | None = None) -> dict[int, tuple[list[int], list[int]]]:
     """Multi-turn SFT: for each ``messages`` example whose prompt holds assistant turns, the prompt's ids and
     their labels, every earlier assistant turn trained and the rest masked (-100); keyed by the example's index.
 
@@ -204,7 +216,7 @@ def _earlier_turns(examples: list[Example], tokenizer: Any,
     for i, ex in enumerate(examples):
         if not ex.train_all_turns or not any(m["role"] == "assistant" for m in ex.prompt):  # type: ignore[union-attr]
             continue
-        spans = render_turns(ex.prompt, tokenizer)
+        spans = render_turns(ex.prompt, tokenizer, _tools_of(ex, tools))
         if spans is None:
             counts["multi_turn_last_only"] += 1
         else:
@@ -248,8 +260,9 @@ def _jsonable(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def cache_key(data: DataArgs, phase: int, tokenizer: Any, seed: int, specs: list[DataSpec],
-              tokenize_as: int | None = None) -> str:
+              tokenize_as: int | None = None, tools: list[dict[str, Any]] | None = None) -> str:
     return stable_hash({
+        **({"tools": tools} if tools else {}),  # the schemas a chat template renders into prompts
         "v": CACHE_VERSION, "phase": phase, "seed": seed, "split": data.data_split,
         **({"tokenize_as": tokenize_as} if tokenize_as not in (None, phase) else {}),
         "sources": [[s.name, s.weight, source_fingerprint(s)] for s in specs],
@@ -273,7 +286,8 @@ def count_line(phase: int, counts: dict[str, int]) -> str:
 
 def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache: bool = True,
                log: Any = print, default_data: Callable[[], Sequence[str]] | None = None,
-               tokenize_as: int | None = None, need_train: bool = True) -> PhaseData:
+               tokenize_as: int | None = None, need_train: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> PhaseData:
     """The tokenized train/eval rows of ``phase`` (1, 2 or 3) from ``data.data``, cached on disk; ``tokenize_as``
     (default ``phase``) tokenizes that part as another phase's rows (offline DPO: the phase-3 part as pairs).
 
@@ -291,7 +305,7 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
     specs = [DataSpec.parse(d) for d in names]
     cache_dir = Path(data.data_cache_dir).expanduser() if data.data_cache_dir else cache_root() / "data"
     shape = tokenize_as or phase
-    key = cache_key(data, phase, tokenizer, seed, specs, shape)
+    key = cache_key(data, phase, tokenizer, seed, specs, shape, tools)
     # JSON, never a pickle: a cache folder shared between users or nodes must not be a way to run code.
     cache_file = cache_dir / f"phase{phase}-{key}.json"
     if use_cache and all(source_fingerprint(s) is not None for s in specs) and cache_file.exists():
@@ -313,8 +327,8 @@ def load_phase(data: DataArgs, phase: int, tokenizer: Any, seed: int, use_cache:
         counts.update(c)
         malformed += [{"source": raw.name, "message": text} for text in problems]
         before = len(train)
-        train += tokenize_examples(tr, shape, tokenizer, data, counts)
-        evals += tokenize_examples(ev, shape, tokenizer, data, counts)
+        train += tokenize_examples(tr, shape, tokenizer, data, counts, tools)
+        evals += tokenize_examples(ev, shape, tokenizer, data, counts, tools)
         sources.append({"name": raw.name, "format": fmt, "rows": len(raw.train),
                         "test_rows": len(raw.test) if raw.test is not None else 0,
                         "train_rows": len(train) - before, "weight": spec.weight})

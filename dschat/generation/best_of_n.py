@@ -37,7 +37,7 @@ from typing import Any
 
 from dschat.config import DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
-from dschat.rewards.names import JUDGE, RM
+from dschat.rewards.names import JUDGE, RM, reward_sources
 from dschat.rlhf.config import (
     RewardArgs,
     RLArgs,
@@ -102,8 +102,12 @@ class GenerateConfig:
         "force": "Start over: discard OUTPUT, OUTPUT.partial and their progress."})
 
     def reward_func_names(self) -> list[str]:
-        """--reward-funcs, else the sources the given models imply: rm with --reward-model, judge with
-        --judge-model; none: samples are written unscored (``--keep all`` only)."""
+        """The sources of ``reward_entries``, without their labels."""
+        return reward_sources(self.reward_entries())
+
+    def reward_entries(self) -> list[str]:
+        """--reward-funcs as given (``LABEL=SOURCE`` kept), else the sources the given models imply: rm with
+        --reward-model, judge with --judge-model; none: samples are written unscored (``--keep all`` only)."""
         r = self.rewards
         return list(r.reward_funcs) or ([RM] if r.reward_model else []) + ([JUDGE] if r.judge_model else [])
 

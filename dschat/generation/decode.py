@@ -57,6 +57,10 @@ class Generated:
     # (B, A) float32: a serving engine's own log-probs of the answer tokens (vLLM: under the distribution it sampled
     # from), for the importance-sampling correction; never used as the trainer's log-probs
     engine_logprobs: torch.Tensor | None = None
+    # episodes (``config.episodes``): (B, A) bool, the policy's own tokens, and the tokens fed at all (policy, tool
+    # results and observations; not the masked columns of a row waiting on a tool, nor what follows its end)
+    policy_mask: torch.Tensor | None = None
+    real_mask: torch.Tensor | None = None
 
 
 class Backend(Protocol):
@@ -229,6 +233,9 @@ class DschatBackend(OwnWeights):
         # prefill) and then run along unread, so the loop samples the real rows alone (the same draws as without
         # padding). A model the lean step cannot run at this length (config-time checks refuse the others)
         # decodes through the plain loop.
+        episodes = config.episodes
+        if episodes is not None:  # rows advance on their own: the eager step, which takes a mask per row
+            return self._episodes(module, prompt, prompt_mask, config, episodes, pad_token_id)
         if self.graphs is not None and LeanLlama.supported(module, P + N)[0]:
             rows = bucket(B, BATCH_BUCKET)
             captured = self.graphs.capture_seconds
@@ -300,6 +307,38 @@ class DschatBackend(OwnWeights):
                 tokens, logps = tokens[:last], logps[:last]
         answer = torch.stack(tokens, dim=1)
         return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1) if logps else None)
+
+
+    def _episodes(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                  config: GenerationConfig, episodes: Any, pad_token_id: int) -> Generated:
+        """The loop for a batch of episodes (``dschat.agents.episode``): each step ``episodes.advance`` keeps,
+        replaces (a tool's result, an observation) or masks (a row waiting on a tool) each row's sampled token,
+        and says which rows are done; a masked column is fed with its key hidden and its position not advanced,
+        so every row's cache stays its own sequence. The eager step (plain or HF forward) whatever the backend's
+        kind: a captured or compiled step has one position and one column for the whole batch."""
+        B, P = prompt.shape
+        N = config.max_new_tokens
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        dec = LeanLlama(module, B, P + N) if self.lean and LeanLlama.supported(module, P + N)[0] \
+            else HFForward(module, B, P + N)
+        logits = self.prefill(dec, module, prompt, positions, prompt_mask)
+        position = positions[:, -1:] + 1
+        tokens, logps, policies, reals = [], [], [], []
+        episodes.start()
+        for t in range(N):
+            tok, real, policy, done = episodes.advance(next_token(logits, config))
+            if config.logprobs:
+                logps.append(token_logprobs(logits, tok, config.temperature).masked_fill(~policy, 0.0))
+            tokens.append(tok)
+            policies.append(policy)
+            reals.append(real)
+            if t == N - 1 or bool(done.all()):
+                break
+            logits = dec.forward(tok[:, None], position, real[:, None])
+            position = position + real[:, None].long()
+        answer = torch.stack(tokens, dim=1)
+        return Generated(torch.cat([prompt, answer], dim=1), torch.stack(logps, dim=1) if logps else None,
+                         policy_mask=torch.stack(policies, dim=1), real_mask=torch.stack(reals, dim=1))
 
 
 class HFBackend(OwnWeights):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,11 @@ class GenerationConfig:
     # Called with each step's tokens (B,); returning True stops every row there. Streaming callers (``dschat chat``)
     # show the text as it comes and stop at a stop string.
     on_token: Callable[[torch.Tensor], bool] | None = None
+    # A run's tools and environments (``dschat.agents.episode.Agent``): with one, every sample is a batch of
+    # episodes (``dschat.rlhf.rollout.generate_rollout`` makes ``episodes`` from it and the batch's rows).
+    agent: Any = None
+    # The ``dschat.agents.episode.Episodes`` of one call: the decode loop hands it every sampled token.
+    episodes: Any = None
 
     @classmethod
     def from_flags(cls, flags: SamplingFlags) -> GenerationConfig:

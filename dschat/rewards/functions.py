@@ -24,13 +24,10 @@ values to the mixer (``RewardMixer(..., external={"rm": scores})``).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from dschat.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 from dschat.rewards.judge import LETTER_OF, parse_verdict
 from dschat.rewards.names import RM
 from dschat.rewards.remote import RemoteReward, is_remote
+from dschat.userfiles import is_file_spec, load_object
 
 RewardFunc = Callable[..., list[float]]
 
@@ -154,44 +152,32 @@ def overlong_reward(max_len: int, buffer: int, factor: float = 1.0) -> RewardFun
     return overlong
 
 
+def env_reward(prompts: list[str], completions: list[str], **row_fields: Any) -> list[float]:
+    """The environment's reward of each episode (``--env``: the sum of its turns' rewards; docs/tools.md), 0.0
+    where a row had no environment."""
+    rewards = row_fields.get("env_reward") or [None] * len(completions)
+    return [float(r) if r is not None else 0.0 for r in rewards]
+
+
 RULES: dict[str, RewardFunc] = {
     "format": format_reward,
     "accuracy": accuracy_reward,
     "judge_match": judge_match_reward,
+    "env": env_reward,
 }
 NAMES = (*RULES, "overlong", RM, "judge")
 
 
 # ------------------------------------------------------------------------------------------- user functions
 def is_user_function(name: str) -> bool:
-    path, sep, fn = name.rpartition(":")
-    return bool(sep) and path.endswith(".py") and bool(fn)
+    return is_file_spec(name)
 
 
 def load_user_function(spec: str) -> RewardFunc:
     """``path/to/file.py:function_name`` -> the function, imported from that file."""
-    path_text, _, fn_name = spec.rpartition(":")
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise UserError(f"reward function {spec!r}: file {path} not found")
-    module_name = f"dschat_user_reward_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"reward function {spec!r}: cannot import {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any error in the user's file is reported in one line
-        sys.modules.pop(module_name, None)
-        raise UserError(f"reward function {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise UserError(f"reward function {spec!r}: {path} has no function {fn_name!r} "
-                        f"(it defines: {', '.join(names) or 'no functions'})")
+    fn = load_object(spec, f"reward function {spec!r}")
     if not callable(fn):
-        raise UserError(f"reward function {spec!r}: {fn_name!r} in {path} is not callable")
+        raise UserError(f"reward function {spec!r}: {spec.rpartition(':')[2]!r} is not callable")
     return fn
 
 

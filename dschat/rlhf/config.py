@@ -16,6 +16,7 @@ from dschat.config import (
     BACKENDS,
     HEALTH_STAGE2,
     VLLM_FLAGS,
+    AgentArgs,
     DataArgs,
     EngineArgs,
     HealthArgs,
@@ -220,6 +221,7 @@ class RLHFConfig:
     data: DataArgs = field(default_factory=DataArgs)
     run: RunArgs = field(default_factory=RunArgs)
     health: HealthArgs = piece(HealthArgs, exclude=HEALTH_STAGE2)
+    agent: AgentArgs = field(default_factory=AgentArgs)
 
     @property
     def algorithm(self) -> Any:
@@ -245,7 +247,14 @@ class RLHFConfig:
     def reward_func_names(self) -> list[str]:
         """The run's reward sources: --reward-funcs (without their ``LABEL=``) or the algorithm's default (and what
         it adds)."""
-        return reward_sources(self.algorithm.reward_func_names(self))
+        return reward_sources(self.reward_entries())
+
+    def reward_entries(self) -> list[str]:
+        """The run's ``--reward-funcs`` entries as given (``LABEL=SOURCE`` kept), or the default: the environment's
+        reward with ``--env``, else the algorithm's."""
+        if self.agent.env and not self.rewards.reward_funcs:  # the environment owns the reward
+            return ["env"]
+        return self.algorithm.reward_func_names(self)
 
     def optim_of(self, who: str) -> OptimArgs:
         """The full ``OptimArgs`` of 'actor' or 'critic': its own rate and decay, the shared schedule."""
@@ -286,7 +295,23 @@ def check_config(cfg: RLHFConfig) -> None:
             raise UserError(f"--generation-backend {name} needs a Llama-architecture model "
                             f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
                             f"--generation-backend dschat")
+    check_agent(cfg.agent, cfg.rl.generation_backend, cfg.reward_func_names())
     cfg.algorithm.check_config(cfg)
+
+
+def check_agent(agent: AgentArgs, backend: str, reward_names: list[str]) -> None:
+    """Tools and environments run inside dschat's decode loop (``dschat.agents.episode``), and 'env' needs an
+    environment."""
+    if "env" in reward_names and not agent.env:
+        raise UserError("reward function 'env' is an environment's reward: it needs --env")
+    if not (agent.tools or agent.env):
+        return
+    if backend in ("hf", "vllm"):
+        raise UserError(f"--tools and --env run in dschat's decode loop (rows advance on their own, each prefix's "
+                        f"cache kept); --generation-backend {backend} has no place for them: use dschat (or auto)")
+    from dschat.agents.agent import build_agent
+
+    build_agent(agent)  # a missing file, function or class stops here, before any model loads
 
 
 def check_reward_models(names: list[str], rewards: RewardArgs) -> None:

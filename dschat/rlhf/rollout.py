@@ -14,11 +14,12 @@ uses them instead of a second actor forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from dschat.agents.episode import EpisodeInfo
 from dschat.data.packing import (
     attention_balance,
     layout_attention,
@@ -27,7 +28,7 @@ from dschat.data.packing import (
     shared_prefix_mask,
     shared_prompt_groups,
 )
-from dschat.generation.decode import decode_answers
+from dschat.generation.decode import Generated, decode_answers
 from dschat.models.logits import token_logps
 from dschat.training import memory, oom
 
@@ -47,6 +48,9 @@ class Rollout:
     logprobs: torch.Tensor | None = None  # (B, A) the sampling pass's log-probs of the answer tokens, if known
     # (B, A) a serving engine's log-probs of the answer tokens (vLLM), for the importance-sampling correction only
     engine_logprobs: torch.Tensor | None = None
+    # episodes with tools or environments (``dschat.agents``): each row's text, environment reward and counts; the
+    # answer columns then hold context tokens too (in the attention mask, not in the action mask)
+    episode: EpisodeInfo | None = None
 
     @property
     def answer_lengths(self) -> torch.Tensor:
@@ -55,7 +59,29 @@ class Rollout:
     def select(self, idx: torch.Tensor) -> Rollout:
         return Rollout(self.sequences[idx], self.attention_mask[idx], self.action_mask[idx], self.prompt_len,
                        self.reached_eos[idx], None if self.logprobs is None else self.logprobs[idx],
-                       None if self.engine_logprobs is None else self.engine_logprobs[idx])
+                       None if self.engine_logprobs is None else self.engine_logprobs[idx],
+                       None if self.episode is None else self.episode.select(idx))
+
+
+def make_episode_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, out: Generated, episodes: Any,
+                         pad_token_id: int, min_answer_len: int = 2) -> tuple[Rollout, int]:
+    """The rollout of a batch of episodes (``dschat.agents.episode``): the action mask holds the policy's own
+    tokens alone, the attention mask every token fed (tool results and observations too, as context), and the
+    columns of a row waiting on a tool or past its end are padding outside both. An episode whose policy wrote
+    fewer than ``min_answer_len`` tokens gets an all-zero action mask. ``reached_eos``: the episode ended (by the
+    policy or its environment), not by the token budget or ``--max-turns``."""
+    assert out.policy_mask is not None and out.real_mask is not None
+    P = prompt.shape[1]
+    real = out.real_mask.bool()
+    action_mask = out.policy_mask.long() & real.long()
+    short = action_mask.sum(-1) < min_answer_len
+    action_mask[short] = 0
+    answer = out.sequences[:, P:].masked_fill(~real, pad_token_id)
+    logprobs = None if out.logprobs is None else out.logprobs.float().masked_fill(action_mask == 0, 0.0)
+    reached = torch.tensor(episodes.finished(), dtype=torch.bool, device=prompt.device)
+    rollout = Rollout(torch.cat([prompt, answer], dim=1), torch.cat([prompt_mask.long(), real.long()], dim=1),
+                      action_mask, P, reached, logprobs, None, episodes.info(answer, real))
+    return rollout, int(short.sum())
 
 
 def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, eos_token_id: int,
@@ -133,7 +159,7 @@ def shared_prompt_inputs(model: Any, rollout: Rollout) -> tuple[dict[str, torch.
     when no two rows share a sequence or the model cannot take the layout (see ``packing.shared_prefix_inputs``)."""
     seq, P, B = rollout.sequences, rollout.prompt_len, rollout.sequences.shape[0]
     prompt, prompt_mask = seq[:, :P], rollout.attention_mask[:, :P]
-    if B < 2 or P == 0:
+    if B < 2 or P == 0 or rollout.episode is not None:  # episodes: context tokens between the policy's
         return None
     same_prompt = prompt_ids(prompt, prompt_mask)
     if int(same_prompt.max()) + 1 == B:  # every prompt once
@@ -241,9 +267,22 @@ def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: An
     of the whole batch; sampled ones are drawn afresh for each half, from the same distribution, but not the same
     draws: the sampler's random stream is consumed per batch (docs/planning.md, Out of memory)."""
     prompt, mask = batch["prompt"], batch["prompt_att_mask"]
+    rows = episode_rows(tokenizer, batch) if gen.agent is not None else []
 
     def run(a: int, b: int) -> tuple[Rollout, int]:
         p, m = (prompt, mask) if (a, b) == (0, prompt.shape[0]) else (prompt[a:b], mask[a:b])
+        if gen.agent is not None:  # a batch of episodes: tools and environments answer inside the decode loop
+            from dschat.agents.episode import Episodes
+
+            eos = hybrid.eos_token_id if isinstance(hybrid.eos_token_id, list) else [hybrid.eos_token_id]
+            episodes = Episodes(gen.agent, tokenizer, rows[a:b], eos, tokenizer.pad_token_id)
+            out = hybrid.sample(p, m, replace(gen, episodes=episodes), generator_seed=seed)
+            rollout, short = make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len)
+            info, policy = rollout.episode, int(out.policy_mask.sum())
+            assert info is not None
+            gen.agent.record(len(info.texts), sum(info.turns), sum(info.calls), sum(info.errors), policy,
+                             int(out.real_mask.sum()) - policy)
+            return rollout, short
         out = hybrid.sample(p, m, gen, generator_seed=seed)
         return make_rollout(p, m, out.sequences, tokenizer.eos_token_id, tokenizer.pad_token_id,
                             min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs)
@@ -254,6 +293,18 @@ def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: An
     with memory.phase("generate"):
         return oom.split_on_oom("generate", prompt.shape[0], run, join,
                                 local=oom.rank_local(getattr(hybrid, "actor", None)))
+
+
+def episode_rows(tokenizer: Any, batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each prompt's data row, what an environment starts its episode from: the row's fields, its ``answer`` and
+    its ``prompt`` (decoded, special tokens dropped)."""
+    prompts = tokenizer.batch_decode([p[m.bool()] for p, m in zip(batch["prompt"].cpu(),
+                                                                    batch["prompt_att_mask"].cpu(), strict=True)],
+                                     skip_special_tokens=True)
+    n = len(prompts)
+    extras = batch.get("extra") or [{} for _ in range(n)]
+    answers = batch.get("answer") or [None] * n
+    return [{**e, "prompt": p, "answer": a} for e, p, a in zip(extras, prompts, answers, strict=True)]
 
 
 def repeat_prompts(batch: dict[str, Any], n: int) -> dict[str, Any]:
@@ -285,9 +336,11 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         seq.append(torch.nn.functional.pad(r.sequences, (lp, ra), value=pad_token_id))
         mask.append(torch.nn.functional.pad(r.attention_mask, (lp, ra), value=0))
         amask.append(pad_right(r.action_mask, A, 0))
+    episodes = [r.episode for r in parts if r.episode is not None]
     return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]),
                    torch.cat(logps) if len(logps) == len(parts) else None,
-                   torch.cat(engine) if len(engine) == len(parts) else None)
+                   torch.cat(engine) if len(engine) == len(parts) else None,
+                   EpisodeInfo.concat(episodes) if len(episodes) == len(parts) else None)
 
 
 def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],
@@ -301,5 +354,7 @@ def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor
     prompts = tokenizer.batch_decode([row[m.bool()] for row, m in zip(rollout.sequences[:, :P].cpu(),
                                                                        prompt_mask.cpu(), strict=True)],
                                      skip_special_tokens=True)
+    if rollout.episode is not None:  # the whole episode: calls, results, observations and answers
+        return prompts, list(rollout.episode.texts), list(rollout.episode.lengths)
     completions, lengths = decode_answers(tokenizer, rollout.sequences[:, P:])
     return prompts, completions, lengths

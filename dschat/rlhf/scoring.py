@@ -146,7 +146,7 @@ def row_fields(batch: dict[str, Any]) -> dict[str, list[Any]]:
     rows."""
     extras: list[dict[str, Any]] = batch.get("extra") or [{} for _ in batch["answer"]]
     reserved = {"answer", "prompts", "completions", "completion_lengths", "reached_eos", "token_ids",
-                "external"}
+                "external", "env_reward"}
     names = sorted({k for e in extras for k in e} - reserved)
     fields = {k: [e.get(k) for e in extras] for k in names}
     fields["answer"] = list(batch["answer"])
@@ -179,6 +179,8 @@ class Scorer:
             return self.mixer([""] * n, [""] * n, external=external)
         prompts, completions, lengths = completion_texts(self.tokenizer, rollout, batch["prompt_att_mask"])
         ids = {"token_ids": real_rows(rollout.sequences, rollout.attention_mask)} if self.needs_ids else {}
+        if rollout.episode is not None:  # the environment's reward, the source 'env' (dschat.agents.env)
+            ids["env_reward"] = list(rollout.episode.env_rewards)
         return self.mixer(prompts, completions, external=external, completion_lengths=lengths,
                           reached_eos=rollout.reached_eos.tolist(), **ids, **row_fields(batch))
 
@@ -197,7 +199,7 @@ def build_scorer(cfg: Any, models: Any | None) -> Scorer:
     reward model). A judge is a model, not a rule: it loads here, on this rank's device, with the run's rubric."""
     r = cfg.rewards
     names = cfg.reward_func_names()
-    labels = reward_labels(cfg.algorithm.reward_func_names(cfg))  # what names each source's metrics
+    labels = reward_labels(cfg.reward_entries())  # what names each source's metrics
     weights = reward_weights(r, names)
     funcs: dict[str, Any] = {label: get_reward_func(n, cfg.rl.max_answer_seq_len, r.overlong_buffer,
                                                     r.overlong_factor)

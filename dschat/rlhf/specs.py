@@ -396,7 +396,8 @@ class DPOSpec(AlgorithmSpec):
                                                    "x --gradient-accumulation-steps pairs)"}
         if not DPOSpec.reward_func_names(cfg):
             why = "with --algo dpo without --reward-model or --reward-funcs (no answers are sampled)"
-            out.update({n: why for n in ("temperature", "top_p", "top_k", "max_answer_seq_len", "eval_samples",
+            out.update({n: why for n in ("tools", "env", "temperature", "top_p", "top_k", "max_answer_seq_len",
+                                         "eval_samples",
                                          "enable_hybrid_engine", "generation_backend", "reward_weights",
                                          *VLLM_FLAGS)})
         out.update(no_importance_sampling("dpo"))

@@ -124,7 +124,7 @@ def test_user_function_loading_and_errors(tmp_path):
     assert get_reward_func(f"{f}:shorter")(["p"], ["a"]) == [-0.1]
     with pytest.raises(UserError, match="not found"):
         load_user_function(f"{tmp_path / 'missing.py'}:shorter")
-    with pytest.raises(UserError, match="no function 'longer'.*shorter"):
+    with pytest.raises(UserError, match="has no 'longer'.*shorter"):
         load_user_function(f"{f}:longer")
     with pytest.raises(UserError, match="not callable"):
         load_user_function(f"{f}:NOT_A_FUNCTION")

@@ -1,0 +1,85 @@
+"""A run's tools and environments, built from its flags (``AgentArgs``) without torch, so the flag checks load and
+check them before any model does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dschat.agents.calls import CALL_CLOSE
+from dschat.agents.tools import Tool, ToolRunner
+
+
+@dataclass
+class Agent:
+    """A run's tools and environments (``AgentArgs`` built): what ``Episodes`` needs besides the batch."""
+
+    tools: list[Tool]
+    runner: ToolRunner
+    envs: dict[str, type]
+    env_column: str
+    max_turns: int
+    _closers: dict[int, set[int]] = field(default_factory=dict, repr=False)
+
+    def may_close(self, tokenizer: Any) -> set[int]:
+        """The ids whose text may end a call (``</tool_call>``'s last character), once per tokenizer: only after
+        one of them is a turn decoded to look for the marker."""
+        key = id(tokenizer)
+        if key not in self._closers:
+            last = CALL_CLOSE[-1]
+            pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+            self._closers[key] = {i for i, p in enumerate(pieces) if p and last in p}
+        return self._closers[key]
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tools]
+
+    _totals: dict[str, float] = field(default_factory=dict, repr=False)
+    _runner_seen: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def record(self, episodes: int, turns: int, calls: int, errors: int, policy_tokens: int,
+               context_tokens: int) -> None:
+        """Add a sampled batch of episodes to what ``take_metrics`` reports."""
+        for k, v in (("episodes", episodes), ("turns", turns), ("calls", calls), ("errors", errors),
+                     ("policy_tokens", policy_tokens), ("context_tokens", context_tokens)):
+            self._totals[k] = self._totals.get(k, 0) + v
+
+    def take_metrics(self) -> dict[str, float]:
+        """Since the last call: per episode the turns, tool calls and errors (a tool's or an environment's, and
+        malformed calls), the share of the episodes' tokens that are context (masked from the loss), and the
+        runner's counts by kind (``episode/tool_<kind>``); empty when no episode ran."""
+        t, self._totals = self._totals, {}
+        counts = dict(self.runner.counts)
+        seen, self._runner_seen = self._runner_seen, counts
+        if not t.get("episodes"):
+            return {}
+        n, tokens = t["episodes"], t["policy_tokens"] + t["context_tokens"]
+        out = {"episode/turns": t["turns"] / n, "episode/tool_calls": t["calls"] / n,
+               "episode/tool_errors": t["errors"] / n,
+               "episode/masked_token_frac": t["context_tokens"] / tokens if tokens else 0.0}
+        for kind in ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "junk", "truncated"):
+            out[f"episode/tool_{kind}"] = float(counts.get(kind, 0) - seen.get(kind, 0))
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        if self.tools:
+            parts.append(f"tools {', '.join(t.name for t in self.tools)}")
+        if self.envs:
+            parts.append(f"env {', '.join(self.envs)}")
+        return f"{' and '.join(parts)}, at most {self.max_turns} turns"
+
+
+def build_agent(args: Any) -> Agent | None:
+    """The ``Agent`` of ``AgentArgs`` (None without ``--tools`` and ``--env``)."""
+    from dschat.agents.env import load_envs
+    from dschat.agents.tools import load_tools
+
+    if not args.tools and not args.env:
+        return None
+    tools = load_tools(list(args.tools))
+    return Agent(tools, ToolRunner(tools, args.tool_timeout, args.tool_max_output), load_envs(list(args.env)),
+                 args.env_column, args.max_turns)
+
+
