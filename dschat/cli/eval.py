@@ -25,7 +25,7 @@ from click.core import ParameterSource
 
 from dschat.cli.judge import print_judge_metrics, sampling_options
 from dschat.cli.options import DeclaredFlagsCommand
-from dschat.config import VLLM_FLAGS, DataArgs, ModelArgs, SFTConfig, VLLMArgs, build_config, piece
+from dschat.config import VLLM_FLAGS, AgentArgs, DataArgs, ModelArgs, SFTConfig, VLLMArgs, build_config, piece
 from dschat.demo import demo_data
 from dschat.errors import UserError
 from dschat.evaluation.judge import evaluate_judge_files
@@ -58,6 +58,7 @@ def eval_flags() -> type:
                            "reference answer)."})),
         ("rl", RLArgs, piece(RLArgs, only=("top_k", "generation_backend"))),
         ("vllm", VLLMArgs, dataclasses.field(default_factory=VLLMArgs)),
+        ("agent", AgentArgs, dataclasses.field(default_factory=AgentArgs)),
     ])
 
 
@@ -71,7 +72,9 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
                            "reward_funcs", "reward_weights", "judge_model", "judge_max_new_tokens",
                            "judge_system_prompt", "overlong_buffer", "overlong_factor", "reward_timeout",
                            "reward_retries", "reward_backoff", "reward_request_rows", "reward_token_file",
-                           "max_new_tokens", "temperature", "top_p", "top_k", "generation_backend", *VLLM_FLAGS}),
+                           "max_new_tokens", "temperature", "top_p", "top_k", "generation_backend", *VLLM_FLAGS,
+                           "tools", "env", "env_column", "max_turns", "tool_timeout", "tool_max_output",
+                           "baseline_without_tools"}),
     "--judge": frozenset({"judge", "data", "votes", "max_new_tokens", "temperature", "top_p", "seed",
                           "judge_system_prompt", "progress", "generation_backend"}),
 }
@@ -95,10 +98,11 @@ def refuse(given: dict[str, str], mode: str) -> None:
 def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     """--step 3's settings that do nothing with the chosen reward sources and models."""
     from dschat.evaluation.saved_policy import reward_sources  # torch: imported when the command runs
+    from dschat.rewards.names import reward_sources as sources_of
     from dschat.rewards.remote import is_remote
-    from dschat.rlhf.config import REMOTE_FLAGS, vllm_inert
+    from dschat.rlhf.config import REMOTE_FLAGS, check_agent, vllm_inert
 
-    names, r = reward_sources(cfg.rewards), cfg.rewards
+    names, r = sources_of(reward_sources(cfg.rewards)), cfg.rewards
     inert = {}
     if not r.judge_model:
         inert.update({n: "without --judge-model" for n in ("judge_max_new_tokens", "judge_system_prompt")})
@@ -113,9 +117,13 @@ def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     if not names:
         inert["reward_weights"] = "without a reward source"
     inert.update(vllm_inert(cfg.rl.generation_backend))
+    inert.update(cfg.agent.inert_fields())
+    if not (cfg.agent.tools or cfg.agent.env) or not baseline:
+        inert["baseline_without_tools"] = "without --baseline and --tools or --env"
     for name, why in sorted(inert.items()):
         if name in given:
             raise UserError(f"{given[name]} has no effect {why}")
+    check_agent(cfg.agent, cfg.rl.generation_backend, names)
 
 
 def log(text: str) -> None:
@@ -134,6 +142,9 @@ def log(text: str) -> None:
 @click.option("--baseline", default="", help="--step 3: the model to compare the policy with (e.g. its step-1 "
                                              "model): same prompts, same sampling seeds; paired gain, win rate, "
                                              "KL of the policy to it.")
+@click.option("--baseline-without-tools", "--baseline_without_tools", "baseline_without_tools", is_flag=True,
+              help="--step 3 with --tools or --env: the baseline answers without them (the same model as the policy "
+                   "measures what the tools add).")
 @click.option("--num-samples", "--num_samples", "num_samples", type=click.IntRange(min=1), default=1,
               show_default=True, help="--step 3: answers per prompt (rewards averaged per prompt; pass@k of the "
                                       "pass/fail sources for k = 1, 2, 4, ..., n).")
@@ -143,7 +154,8 @@ def log(text: str) -> None:
                    "the same value gives the stage's exact samples).")
 @sampling_options(policy=True)
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
-def eval_command(step: int, judge: bool, model: str, baseline: str, num_samples: int, output: str | None,
+def eval_command(step: int, judge: bool, model: str, baseline: str, baseline_without_tools: bool,
+                 num_samples: int, output: str | None,
                  batch_size: int, votes: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
                  progress: bool, **shared: Any) -> None:
     """Evaluate a saved model: --step 1 (perplexity), --step 2 (reward model), --step 3 (policy, optionally
@@ -174,7 +186,8 @@ def eval_command(step: int, judge: bool, model: str, baseline: str, num_samples:
         refuse_step3(given, cfg, baseline)
         from dschat.evaluation.saved_policy import evaluate_policy  # torch: imported when the command runs
 
-        metrics = evaluate_policy(cfg, baseline, num_samples, default_data=demo_data, progress=progress, log=log)
+        metrics = evaluate_policy(cfg, baseline, num_samples, default_data=demo_data, progress=progress, log=log,
+                                  baseline_tools=not baseline_without_tools)
         print_policy_metrics(metrics)
     if output:
         write_json(output, metrics)
@@ -240,6 +253,10 @@ def print_policy_metrics(m: dict[str, Any]) -> None:
                f"new tokens, temperature {m['temperature']:g}, top_p {m['top_p']:g}, top_k {m['top_k']}, "
                f"seed {m['seed']}")
     click.echo(f"rewards:  {rewards or '-'}" + (f"; judge {m['judge_model']}" if m.get("judge_model") else ""))
+    if m.get("tools") or m.get("envs"):
+        acting = ", ".join([*(f"tool {t}" for t in m["tools"]), *(f"env {e}" for e in m["envs"])])
+        click.echo(f"acting:   {acting}" + ("" if m.get("baseline_tools", True) or base is None
+                                             else " (the baseline without)"))
     rows: list[tuple[str, str, str, str]] = []
     if "reward" in pol:
         rows.append(("reward", pm(pol["reward"], pol["reward_se"]),

@@ -18,9 +18,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dschat import engine as E
+from dschat.agents.agent import build_agent
 from dschat.data import DataCollatorRLHF, load_phase
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
@@ -30,6 +32,8 @@ from dschat.generation.hybrid_engine import make_hybrid_engine
 from dschat.models.loading import load_tokenizer, resolve_saved_model
 from dschat.rewards.functions import RM
 from dschat.rewards.judge import JUDGE, JudgeReward, load_judge_reward, question_of
+from dschat.rewards.names import reward_labels
+from dschat.rewards.names import reward_sources as sources_of
 from dschat.rlhf.config import check_reward_data, check_reward_models
 from dschat.rlhf.engines import Models, frozen_models, reward_model_path
 from dschat.rlhf.scoring import build_scorer, same_tokenizer
@@ -49,7 +53,7 @@ def reward_sources(rewards: Any) -> list[str]:
 
 def check_sources(rewards: Any, baseline: str) -> None:
     """Stop before anything loads when a source lacks its model, or when nothing would score the answers."""
-    names = reward_sources(rewards)
+    names = sources_of(reward_sources(rewards))
     check_reward_models(names, rewards)
     if not names and not (rewards.judge_model and baseline):
         raise UserError("dschat eval --step 3 needs something to score the answers with: --reward-model, "
@@ -91,10 +95,13 @@ def pass_at_ks(samples: Sequence[Sequence[float]]) -> dict[str, dict[str, float]
     return out
 
 
-def model_metrics(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+def model_metrics(runs: list[dict[str, Any]], names: list[str], graded: frozenset[str] = frozenset(NOT_PASS_FAIL)
+                  ) -> dict[str, Any]:
     """One model's figures from its ``evaluate(..., detail=True)`` results, one per sample index: the reward
     averaged per prompt over the samples, its mean and standard error over prompts, each source's mean, KL (when
-    measured), answer length, EOS rate, and with more than one sample pass@k of every pass/fail source."""
+    measured), answer length, EOS rate, and with more than one sample pass@k of every pass/fail source. ``names``
+    are the sources' labels (``rewards.names.reward_labels``), ``graded`` those of the sources that are no pass or
+    fail."""
     out: dict[str, Any] = {}
     if names:
         rewards = prompt_means([r["scores"] for r in runs])
@@ -110,7 +117,7 @@ def model_metrics(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any
         out["kl_se"] = mean_se(prompt_means([r["per_prompt"]["kl"] for r in runs]))
     passes = {}
     for n in names if len(runs) > 1 else []:  # one sample: pass@1 is the source's mean above
-        if n in NOT_PASS_FAIL:
+        if n in graded:
             continue
         samples = [r["per_prompt"][f"reward/{n}"] for r in runs]
         if pass_fail([v for s in samples for v in s]):
@@ -155,7 +162,7 @@ def judge_win_metrics(scores: Sequence[Sequence[float]]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------ models
 def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
                     default_data: Callable[[], Sequence[str]] | None = None, progress: bool = True,
-                    log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+                    log: Callable[[str], None] = lambda _: None, baseline_tools: bool = True) -> dict[str, Any]:
     """Sample ``num_samples`` answers per held-out prompt from the policy ``cfg.actor.model`` (and from
     ``baseline``), score them, and return the figures of the module docstring as one JSON-able dict.
 
@@ -167,9 +174,11 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     """
     t0 = time.time()
     r, rl = cfg.rewards, cfg.rl
-    names = reward_sources(r)
+    entries = reward_sources(r)
     check_sources(r, baseline)
-    cfg.rewards.reward_funcs = names  # the scorer's sources are exactly these (no algorithm default)
+    cfg.rewards.reward_funcs = entries  # the scorer's sources are exactly these (no algorithm default)
+    names, labels = sources_of(entries), reward_labels(entries)  # what scores; what names its figures
+    graded = frozenset(label for label, n in zip(labels, names, strict=True) if n in NOT_PASS_FAIL)
     trust = cfg.model.trust_remote_code
     policy_path = resolve_saved_model(cfg.actor.model)
     baseline_path = resolve_saved_model(baseline) if baseline else ""
@@ -177,7 +186,9 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     if baseline and not same_tokenizer(tok, load_tokenizer(baseline_path, trust)):
         raise UserError(f"--baseline {baseline_path} must share the policy's tokenizer: both answer the same "
                         "tokenized prompts, and the KL compares their log-probs of the same tokens")
-    data = load_phase(cfg.data, 3, tok, cfg.run.seed, log=log, default_data=default_data, need_train=False)
+    agent = build_agent(cfg.agent)  # --tools and --env: the policy's answers are episodes
+    data = load_phase(cfg.data, 3, tok, cfg.run.seed, log=log, default_data=default_data, need_train=False,
+                      tools=agent.tool_schemas if agent is not None and agent.tools else None)
     rows = data.eval
     if not rows:
         raise UserError("no held-out prompts: the phase-3 part has no test split and --eval-fraction or "
@@ -200,13 +211,13 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
         if judge is None:
             judge = load_judge_reward(r.judge_model, r.judge_max_new_tokens, cfg.data.judge_system_prompt,
                                       cfg.model.dtype, trust, progress=progress)
-    gen = GenerationConfig.from_flags(rl)
+    gen = replace(GenerationConfig.from_flags(rl), agent=agent)
     loader = eval_loader(rows, cfg.optim.per_device_eval_batch_size, DataCollatorRLHF(tok.pad_token_id))
 
     bar = progress_bar(progress, len(rows) * num_samples * (2 if base is not None else 1), "sample")
     tick = bar.update if bar is not None else None
 
-    def sample(models: Models) -> list[dict[str, Any]]:
+    def sample(models: Models, gen: GenerationConfig) -> list[dict[str, Any]]:
         hybrid = make_hybrid_engine(models.actor, tok, False, rl.generation_backend, cfg.vllm,
                                     max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
         try:
@@ -216,9 +227,9 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
             hybrid.close()  # one vLLM engine at a time: the baseline's comes next
 
     try:
-        runs = {"policy": sample(as_policy)}
-        if as_baseline is not None:
-            runs["baseline"] = sample(as_baseline)
+        runs = {"policy": sample(as_policy, gen)}
+        if as_baseline is not None:  # without tools: what the tools add (--baseline-without-tools)
+            runs["baseline"] = sample(as_baseline, gen if baseline_tools else replace(gen, agent=None))
     finally:
         if bar is not None:
             bar.close()
@@ -228,12 +239,14 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
         "prompts": len(rows), "num_samples": num_samples, "max_new_tokens": rl.max_answer_seq_len,
         "temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
         "generation_backend": rl.generation_backend, "seed": cfg.run.seed,
-        "reward_funcs": names, "reward_weights": scorer.mixer.weights if scorer is not None else [],
-        "policy": model_metrics(runs["policy"], names),
+        "reward_funcs": labels, "reward_weights": scorer.mixer.weights if scorer is not None else [],
+        "tools": [t.name for t in agent.tools] if agent is not None else [],
+        "envs": list(agent.envs) if agent is not None else [], "baseline_tools": baseline_tools,
+        "policy": model_metrics(runs["policy"], labels, graded),
     }
     if "baseline" in runs:
-        out["baseline"] = model_metrics(runs["baseline"], names)
-        out["paired"] = paired_metrics(runs["policy"], runs["baseline"], names)
+        out["baseline"] = model_metrics(runs["baseline"], labels, graded)
+        out["paired"] = paired_metrics(runs["policy"], runs["baseline"], labels)
     if judge is not None:
         scores = []
         for p, b in zip(runs["policy"], runs["baseline"], strict=True):

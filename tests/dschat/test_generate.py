@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import dschat.generation.best_of_n as G
+import dschat.rlhf.rollout as R
 from dschat.config import SFTConfig, build_config, refuse_inert
 from dschat.demo import demo_files
 from dschat.errors import UserError
@@ -119,7 +119,7 @@ def test_resume_after_an_interruption_writes_the_uninterrupted_file(tmp_path, mo
     assert summary["mean_best_score"] >= summary["mean_score"] >= summary["mean_worst_score"]
 
     out = tmp_path / "cut.jsonl"
-    real, calls = G.generate_rollout, []
+    real, calls = R.generate_rollout, []  # best_of_n imports it from here when it runs
 
     def interrupted_at_second_batch(*args, **kwargs):
         calls.append(1)
@@ -127,7 +127,7 @@ def test_resume_after_an_interruption_writes_the_uninterrupted_file(tmp_path, mo
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(G, "generate_rollout", interrupted_at_second_batch)
+    monkeypatch.setattr(R, "generate_rollout", interrupted_at_second_batch)
     with pytest.raises(KeyboardInterrupt):
         generate(gen_cfg(tmp_path, out))
     partial = tmp_path / "cut.jsonl.partial"
@@ -140,7 +140,7 @@ def test_resume_after_an_interruption_writes_the_uninterrupted_file(tmp_path, mo
     with pytest.raises(UserError, match="--temperature changed"):
         generate(gen_cfg(tmp_path, out, temperature=0.5))
     calls.clear()
-    monkeypatch.setattr(G, "generate_rollout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(R, "generate_rollout", lambda *a, **k: calls.append(1) or real(*a, **k))
     generate(gen_cfg(tmp_path, out))
     assert len(calls) == 2  # only the batches not yet written (prompts 3-5 and 6)
     assert out.read_bytes() == whole.read_bytes() and not partial.exists()

@@ -346,8 +346,9 @@ def test_rollback_restores_the_state_it_names(tmp_path):
 
     for step in (1,):  # the restored state, bit for bit
         a, b = train_row(plain, step), train_row(out, step)
-        assert {k: v for k, v in a.items() if not k.startswith("time")} == \
-            {k: v for k, v in b.items() if not k.startswith("time")}
+        measured = ("time", "memory/")  # the machine's figures, not the run's
+        assert {k: v for k, v in a.items() if not k.startswith(measured)} == \
+            {k: v for k, v in b.items() if not k.startswith(measured)}
     later = read_json(sorted((out / "checkpoints").glob("step-*"))[-1] / "trainer.json")["health"]
     assert later["lr_scale"] == 0.5 or later["lr_scale"] == 0.25
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from dschat import losses as L
 from dschat.config import build_config, refuse_inert
 from dschat.errors import UserError
+from dschat.rewards.names import source_label
 from dschat.rlhf.algorithms import ALGORITHMS
 from dschat.rlhf.config import RLHFConfig, check_config
 from dschat.rlhf.reinforce_pp import ReinforcePP, ReinforcePPBaseline
@@ -78,7 +79,7 @@ def _short_run(tmp_path, reward_file, algo, **kw):  # noqa: F811 (the fixture's 
     assert metrics["steps"] == 2 and metrics["algo"] == algo and metrics["reward_after"] is not None
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/actor_loss" in r]
     assert len(rows) == 2 and all(abs(r["train/actor_loss"]) < 1e6 for r in rows)
-    assert read_json(out / "eval.json")["reward_funcs"] == ["format", reward_file]
+    assert read_json(out / "eval.json")["reward_funcs"] == ["format", source_label(reward_file)]  # the labels
     assert _moved(out) > 0.9  # the actor trained
     assert not (out / "critic").exists()
     return rows

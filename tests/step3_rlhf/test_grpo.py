@@ -13,6 +13,7 @@ from dschat import engine as E
 from dschat.config import build_config, flag_specs
 from dschat.demo import demo_files
 from dschat.errors import UserError
+from dschat.rewards.names import source_label
 from dschat.rlhf.config import RLHFConfig, check_config, check_reward_data
 from dschat.rlhf.engines import build_models
 from dschat.rlhf.grpo import mask_truncated, needs_old_logprobs, optimizer_step_normalizers, select_groups
@@ -57,18 +58,19 @@ def test_grpo_short_run_each_loss_type(tmp_path, reward_file, loss_type):
     assert metrics["steps"] == 2 and metrics["algo"] == "grpo" and metrics["loss_type"] == loss_type
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/actor_loss" in r]
     assert len(rows) == 2
-    for key in ("train/reward", "train/reward/format", f"train/reward/{reward_file}", "train/reward_std",
+    for key in ("train/reward", "train/reward/format", f"train/reward/{source_label(reward_file)}",
+                "train/reward_std",
                 "train/frac_reward_zero_std", "train/kl", "train/clip_ratio_low", "train/clip_ratio_high",
                 "train/answer_length", "time/generation_s", "time/training_s", "time/tokens_per_s"):
         assert key in rows[0], key
     assert all(abs(r["train/actor_loss"]) < 1e6 for r in rows)
     ev = read_json(out / "eval.json")
     for key in ("reward_before", "reward_after", "reward_before_se", "reward_gain_se", "reward_format_before",
-                f"reward_{reward_file}_after", "kl_after"):
+                f"reward_{source_label(reward_file)}_after", "kl_after"):
         assert ev[key] is not None, key
     assert ev["kl_before"] == pytest.approx(0.0, abs=1e-5)  # actor == reference before training
     extra = ["overlong"] if loss_type == "dapo" else []  # dapo's soft overlong penalty, weight 1
-    assert ev["reward_funcs"] == ["format", reward_file, *extra]
+    assert ev["reward_funcs"] == ["format", source_label(reward_file), *extra]  # the labels of the sources
     assert ev["reward_weights"] == [1.0, 0.5] + [1.0] * len(extra)
     assert _moved(out) > 0.9  # the actor trained
     assert not (out / "critic").exists()  # GRPO has no critic
