@@ -42,11 +42,11 @@ from dschat.training.pipeline import PipelineRun, parse_stages, report_lines, ru
 def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], output_dir: str, force: bool,
              num_gpus: int | None, hostfile: str | None, sft_args: str, rm_args: str, rl_args: str,
              eval_data: tuple[str, ...], eval_args: str, generation_backend: str | None) -> None:
-    """Run stages (all = sft,rm,ppo; dpo = sft,rm,dpo; grpo = sft,grpo; judge = sft,judge), each consuming the
-    previous checkpoint; report the results.
+    """Run stages (all = sft,rm,ppo; dpo = sft,rm,dpo; grpo = sft,grpo; judge = sft,judge; tools = sft,tools),
+    each consuming the previous checkpoint; report the results.
 
-    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo, dpo, grpo or judge
-    (dpo: --rl-args "--algo online_dpo" runs online DPO).
+    With no arguments this is the embedded tiny demo, which runs on a CPU. --rl-args go to ppo, dpo, grpo, judge or
+    tools (dpo: --rl-args "--algo online_dpo" runs online DPO; tools: --rl-args "--tools ..." outside the demo).
     """
     names = parse_stages(stages)
     demo = model == "tiny" and not data
@@ -55,7 +55,7 @@ def pipeline(stages: str, model: str, reward_base: str, data: tuple[str, ...], o
         names=names, out=Path(output_dir), model=model, reward_base=reward_base, data=list(data),
         demo=demo_files() if demo else None,
         extra={"sft": shlex.split(sft_args), "rm": shlex.split(rm_args), "ppo": rl, "dpo": rl, "grpo": rl,
-               "judge": rl},
+               "judge": rl, "tools": rl},
         force=force, num_gpus=num_gpus, hostfile=hostfile,
         eval_data=list(eval_data) or ([str(demo_files()["judge_eval"])] if demo and "judge" in names else []),
         eval_args=shlex.split(eval_args))

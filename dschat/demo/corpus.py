@@ -28,6 +28,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dschat.prompts import (
     ANSWER_CLOSE,
@@ -948,6 +949,54 @@ def generate_sum_prompts(
         if with_solution:
             row["solution"] = " " + format_completion(work, str(ans))
         rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Products with a calculator (the tools demo)
+# --------------------------------------------------------------------------------------------------------------
+
+_ZH_TOOL_HINT = "请在<answer></answer>中只写最终数字。"
+_EN_TOOL_HINT = "Put only the final number in <answer></answer>."
+
+
+def _product_problem(rng: random.Random, english: bool) -> tuple[str, int, str]:
+    """One order's total: ``q`` units (2..19) at ``p`` each (11..99), a product no 1.4M-parameter model computes
+    in its head: (question, answer, the calculator expression)."""
+    q, p = rng.randint(2, 19), rng.randint(11, 99)
+    product = rng.choice(_EN_PRODUCTS if english else _ZH_PRODUCTS)
+    text = (f"I ordered {product} x{q} at ${p} each. How many dollars is that?" if english
+            else f"我买了{q}件{product}，每件{p}元，一共多少元？")
+    return text, q * p, f"{q}*{p}"
+
+
+def generate_tool_prompts(n: int = DEFAULT_PROMPT_ROWS, seed: int = 0, english_ratio: float = 0.2,
+                          with_trace: bool = False, exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Prompt-only rows ``{"prompt", "answer"}`` of order totals (``q`` units at ``p`` each), the tools demo's
+    task: unique prompts, none in ``exclude``. ``with_trace`` gives SFT rows instead: ``{"messages": [...]}``, the
+    user's question, the assistant's call ``<tool_call>calculator(q*p)</tool_call>``, the tool's result and the
+    assistant's ``<answer>N</answer>`` (docs/tools.md, SFT on tool traces)."""
+    rng = _stream("tools", seed)
+    rows: list[dict[str, Any]] = []
+    seen = set(exclude)
+    for english in _balanced_flags(rng, n, round(n * english_ratio)):
+        for _ in range(100):
+            text, ans, expr = _product_problem(rng, english)
+            question = text + (" " if english else "") + (_EN_TOOL_HINT if english else _ZH_TOOL_HINT)
+            prompt = format_prompt(question)
+            if prompt not in seen:
+                break
+        else:
+            raise RuntimeError("could not draw a new unique prompt; the templates are too few for n")
+        seen.add(prompt)
+        if with_trace:
+            rows.append({"messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": f"<tool_call>calculator({expr})</tool_call>"},
+                {"role": "tool", "name": "calculator", "content": str(ans)},
+                {"role": "assistant", "content": f"{ANSWER_OPEN}{ans}{ANSWER_CLOSE}"}]})
+        else:
+            rows.append({"prompt": prompt, "answer": str(ans)})
     return rows
 
 

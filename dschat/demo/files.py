@@ -24,6 +24,10 @@ SUMS_SEED, SUMS_SFT_SEED = 0, 1
 SUMS_MAX_ADDEND = 5
 
 
+# The tools demo's task (``dschat pipeline tools``): order totals, prompts of seed 0 for GRPO and its held-out
+# evaluation, calculator traces of other prompts (seed 1, none of seed 0's) for SFT.
+TOOLS_SEED, TOOLS_SFT_SEED = 0, 1
+
 # Seeds of the judge demo's other files: the cold-start SFT rows and the held-out evaluation rows are drawn from
 # streams of their own, so neither shares a row with the GRPO judge rows (seed 0) or with each other.
 JUDGE_SFT_SEED = 1
@@ -40,7 +44,8 @@ def demo_files() -> dict[str, Path]:
     with SFT before GRPO); ``sums`` and ``sums_sft`` (the GRPO demo's task: prompt-only rows of small sums, and
     worked solutions of other sums for its SFT warm-up); ``judge_sft`` (other judge rows with a cold-start
     ``response`` ending in the true winner's verdict, RM-R1's distillation step) and ``judge_eval`` (held-out
-    judge rows for ``dschat eval --judge``). Deterministic, so any rank may write them."""
+    judge rows for ``dschat eval --judge``); ``tools`` and ``tools_sft`` (the tools demo: prompt-only rows of order
+    totals, and calculator traces of other ones for its SFT). Deterministic, so any rank may write them."""
     source = Path(corpus.__file__).read_bytes() + Path(prompts.__file__).read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:12]
     folder = cache_root() / f"demo-{digest}"
@@ -64,6 +69,17 @@ def demo_files() -> dict[str, Path]:
         rows = corpus.generate_sum_prompts(seed=SUMS_SFT_SEED, with_solution=True, max_addend=SUMS_MAX_ADDEND,
                                            exclude=held)
         write_jsonl([{"prompt": r["prompt"], "response": r["solution"]} for r in rows], files["sums_sft"])
+    files["tools"] = folder / f"tools-seed{TOOLS_SEED}.jsonl"
+    tool_rows = None
+    if not files["tools"].exists():
+        tool_rows = corpus.generate_tool_prompts(seed=TOOLS_SEED)
+        write_jsonl(tool_rows, files["tools"])
+    files["tools_sft"] = folder / f"tools_sft-seed{TOOLS_SFT_SEED}.jsonl"
+    if not files["tools_sft"].exists():
+        tool_rows = tool_rows or corpus.generate_tool_prompts(seed=TOOLS_SEED)
+        write_jsonl(corpus.generate_tool_prompts(seed=TOOLS_SFT_SEED, with_trace=True,
+                                                 exclude=frozenset(r["prompt"] for r in tool_rows)),
+                    files["tools_sft"])
     files["judge_sft"] = folder / f"judge_sft-seed{JUDGE_SFT_SEED}-{JUDGE_SFT_VERDICTS}.jsonl"
     if not files["judge_sft"].exists():
         write_jsonl(corpus.generate_judge_cold_start(seed=JUDGE_SFT_SEED, verdicts=JUDGE_SFT_VERDICTS),

@@ -1,4 +1,5 @@
-"""Pipelines of stages: 1 -> 2 -> 3 (PPO), 1 -> 2 -> DPO, 1 -> GRPO, or a judge (1 -> GRPO on judge rows), each
+"""Pipelines of stages: 1 -> 2 -> 3 (PPO), 1 -> 2 -> DPO, 1 -> GRPO, a judge (1 -> GRPO on judge rows), or tools
+(1 on tool traces -> GRPO with the tools), each
 stage consuming the previous stage's checkpoint, and the report of the results (``dschat pipeline``).
 
 Each stage runs in its own process (``dschat train --step N``), so memory is returned between stages and
@@ -26,10 +27,10 @@ from dschat.utils import write_json
 DemoFiles = Mapping[str, Path]  # the embedded demo's files by name (``dschat.demo.demo_files()``)
 DSCHAT = [sys.executable, "-c", "from dschat.cli.main import cli; cli()"]  # the console script, in a child process
 
-STAGES = {"sft": 1, "rm": 2, "ppo": 3, "dpo": 3, "grpo": 3, "judge": 3}
+STAGES = {"sft": 1, "rm": 2, "ppo": 3, "dpo": 3, "grpo": 3, "judge": 3, "tools": 3}
 FOLDERS = {"sft": "step1_sft", "rm": "step2_reward", "ppo": "step3_rlhf", "dpo": "step3_dpo", "grpo": "step3_grpo",
-           "judge": "step3_judge"}
-ORDER = ["sft", "rm", "ppo", "dpo", "grpo", "judge"]
+           "judge": "step3_judge", "tools": "step3_tools"}
+ORDER = ["sft", "rm", "ppo", "dpo", "grpo", "judge", "tools"]
 ALL = ["sft", "rm", "ppo"]
 # The DPO pipeline: the PPO pipeline's SFT and reward model (the same folders and recipe, so a finished `dschat
 # pipeline all` is reused), then DPO (`--rl-args "--algo online_dpo"`: online DPO, folder step3_online_dpo). The
@@ -43,6 +44,10 @@ GRPO_SFT_FOLDER = "step1_sft_grpo"
 # then `dschat eval --judge` of both models on held-out judge rows.
 JUDGE = ["sft", "judge"]
 JUDGE_SFT_FOLDER = "step1_sft_judge"
+# The tools pipeline: SFT on tool traces -> GRPO with the tools (--rl-args "--tools ..."; the demo: the calculator),
+# then, in the demo, `dschat eval --step 3` of both models with the tool against themselves without it.
+TOOLS = ["sft", "tools"]
+TOOLS_SFT_FOLDER = "step1_sft_tools"
 
 # The embedded demo's recipe: sized so `dschat pipeline all` finishes in minutes on a 2-core CPU and the PPO
 # reward rises well beyond its standard error. Its evaluation answers each held-out prompt 4 times: with one answer
@@ -104,6 +109,22 @@ JUDGE_DEMO_ARGS = {
 }
 # The judges' evaluation: greedy, with the completion budget GRPO trained with.
 JUDGE_EVAL_ARGS = ["--max-new-tokens", "40", "--batch-size", "50"]
+# `dschat pipeline tools` on the demo: order totals ("I ordered X x13 at $17 each. How many dollars is that?"), which
+# the 1.4M-parameter model cannot multiply. Three SFT epochs on calculator traces of other such prompts (demo file
+# tools_sft: the call, the tool's result, the answer) teach it to call the calculator and, in some samples, to copy
+# the result into <answer>; GRPO with the calculator and the accuracy rule then raises the share it copies right.
+# Both models are evaluated on GRPO's 200 held-out prompts with the calculator and without it, paired prompt by
+# prompt (docs/tools.md, The demo).
+TOOLS_SAMPLING = ["--max-turns", "2", "--reward-funcs", "accuracy", "--data-split", "0,0,1", "--eval-fraction",
+                  "0.2", "--max-eval-rows", "200"]
+TOOLS_DEMO_ARGS = {
+    "sft": ["--data-split", "1,0,0", "--num-train-epochs", "3", "--per-device-train-batch-size", "8"],
+    "tools": ["--tools", "calculator", *TOOLS_SAMPLING, "--max-steps", "200", "--num-generations", "4",
+              "--per-device-generation-batch-size", "16", "--per-device-train-batch-size", "16",
+              "--max-answer-seq-len", "80", "--actor-learning-rate", "2e-4", "--per-device-eval-batch-size", "50"],
+}
+# Their evaluation: the stage's held-out prompts and sampling (seed, budget, batch), the tool on and off.
+TOOLS_EVAL_ARGS = ["--tools", "calculator", *TOOLS_SAMPLING, "--max-new-tokens", "80", "--batch-size", "50"]
 
 
 def parse_stages(text: str) -> list[str]:
@@ -113,18 +134,19 @@ def parse_stages(text: str) -> list[str]:
     (folders ``step1_sft_grpo``, ``step1_sft_judge``), so no two pipelines mix in one call."""
     if text == "all":
         return list(ALL)
-    presets = {"dpo": DPO, "grpo": GRPO, "judge": JUDGE}
+    presets = {"dpo": DPO, "grpo": GRPO, "judge": JUDGE, "tools": TOOLS}
     names = list(presets[text]) if text in presets else [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown or not names:
         raise UserError(f"unknown pipeline stage(s) {', '.join(unknown) or text!r}; use all (sft,rm,ppo), dpo "
-                        f"(sft,rm,dpo), grpo (sft,grpo), judge (sft,judge) or a list of {', '.join(ORDER)}")
-    pipelines = [p for p in ("ppo", "dpo", "grpo", "judge") if p in names]
-    if len(pipelines) > 1 or ("rm" in names and set(pipelines) & {"grpo", "judge"}):
+                        f"(sft,rm,dpo), grpo (sft,grpo), judge (sft,judge), tools (sft,tools) or a list of "
+                        f"{', '.join(ORDER)}")
+    pipelines = [p for p in ("ppo", "dpo", "grpo", "judge", "tools") if p in names]
+    if len(pipelines) > 1 or ("rm" in names and set(pipelines) & {"grpo", "judge", "tools"}):
         raise UserError("the PPO pipeline (sft,rm,ppo), the DPO pipeline (sft,rm,dpo), the GRPO pipeline "
-                        "(sft,grpo) and the judge pipeline (sft,judge) are separate runs; run `dschat pipeline "
-                        "all`, `dschat pipeline dpo`, `dschat pipeline grpo` and `dschat pipeline judge` one after "
-                        "the other")
+                        "(sft,grpo), the judge pipeline (sft,judge) and the tools pipeline (sft,tools) are separate "
+                        "runs; run `dschat pipeline all`, `dschat pipeline dpo`, `dschat pipeline grpo`, `dschat "
+                        "pipeline judge` and `dschat pipeline tools` one after the other")
     return sorted(set(names), key=ORDER.index)
 
 
@@ -150,6 +172,8 @@ def folder_of(name: str, names: list[str], algo: str = "dpo") -> str:
         return GRPO_SFT_FOLDER
     if name == "sft" and "judge" in names:
         return JUDGE_SFT_FOLDER
+    if name == "sft" and "tools" in names:
+        return TOOLS_SFT_FOLDER
     return FOLDERS[name]
 
 
@@ -158,20 +182,21 @@ def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[st
     """The ``dschat train`` arguments of one stage. ``demo``: the embedded demo's files (the demo's recipe and
     data), or None for a user's run."""
     names = names or ALL
-    grpo, judge = "grpo" in names, "judge" in names
+    grpo, judge, tools = "grpo" in names, "judge" in names, "tools" in names
     algo = dpo_algo(extra.get("dpo", [])) if name == "dpo" else ""
     argv = ["--step", str(STAGES[name])]
     if name == "sft":
         argv += ["--model", model]
     elif name == "rm":
         argv += ["--model", reward_base if reward_base else str(out / FOLDERS["sft"] / "model")]
-    elif name in ("grpo", "judge", "dpo"):
+    elif name in ("grpo", "judge", "dpo", "tools"):
         argv += ["--actor-model", str(out / folder_of("sft", names) / "model")]
     else:
         argv += ["--actor-model", str(out / FOLDERS["sft"] / "model"),
                  "--reward-model", str(out / FOLDERS["rm"] / "model")]
-    if demo is not None and (grpo or judge):  # format warm-up rows for SFT, rows with a ground truth for GRPO
-        files = {"sft": "judge_sft", "judge": "judge"} if judge else {"sft": "sums_sft", "grpo": "sums"}
+    if demo is not None and (grpo or judge or tools):  # warm-up rows for SFT, rows with a ground truth for GRPO
+        files = {"sft": "judge_sft", "judge": "judge"} if judge else {"sft": "tools_sft", "tools": "tools"} \
+            if tools else {"sft": "sums_sft", "grpo": "sums"}
         data = [str(demo[files[name]])]
     if demo is not None and name == "dpo":  # the demo's pairs (online DPO's own default is GRPO's arithmetic prompts)
         data = [str(demo["pairwise"])]
@@ -180,11 +205,13 @@ def stage_argv(name: str, out: Path, model: str, reward_base: str, data: list[st
     argv += ["--output-dir", str(out / folder_of(name, names, algo))]
     if name == "judge":  # a judge learns from its verdicts, whatever the data
         argv += ["--algo", "grpo", "--reward-funcs", "judge_match"]
+    if name == "tools":  # GRPO with the tools of --rl-args (the demo: the calculator)
+        argv += ["--algo", "grpo"]
     if name == "dpo":  # the reward model scores (online DPO's samples; held-out answers), it is not trained on
         argv += ["--reward-model", str(out / FOLDERS["rm"] / "model"), "--algo", algo]
     if demo is not None:
         argv += DPO_DEMO_ARGS[algo] if name == "dpo" else \
-            (JUDGE_DEMO_ARGS if judge else GRPO_DEMO_ARGS if grpo else DEMO_ARGS)[name]
+            (JUDGE_DEMO_ARGS if judge else GRPO_DEMO_ARGS if grpo else TOOLS_DEMO_ARGS if tools else DEMO_ARGS)[name]
     rest = extra.get(name, [])
     if name == "dpo":  # --algo is placed above, once
         rest = [a for i, a in enumerate(rest) if a != "--algo" and not a.startswith("--algo=")
@@ -231,6 +258,22 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
             se = paired_se(b["correct"], a["correct"]) if len(b["correct"]) == len(a["correct"]) else math.nan
             report["judge_accuracy_gain_se"] = None if math.isnan(se) else se
         return {**report, "seconds": timings}
+    if "tools" in names:
+        sft, rl = load(TOOLS_SFT_FOLDER), load(FOLDERS["tools"])
+        report = {"sft_perplexity_before": sft.get("perplexity_before"), "sft_perplexity": sft.get("perplexity"),
+                  **{f"tools_{k}": rl.get(k) for k in ("reward_funcs", "reward_before", "reward_after",
+                                                       "reward_before_se", "reward_after_se", "reward_gain",
+                                                       "reward_gain_se", "kl_after")}}
+        for when in ("before", "after"):
+            m = load(f"tools_eval_{when}.json")
+            policy, base, paired = m.get("policy") or {}, m.get("baseline") or {}, m.get("paired") or {}
+            report.update({f"tools_with_{when}": policy.get("reward"), f"tools_with_{when}_se": policy.get("reward_se"),
+                           f"tools_without_{when}": base.get("reward"),
+                           f"tools_without_{when}_se": base.get("reward_se"),
+                           f"tools_tool_gain_{when}": paired.get("reward_gain"),
+                           f"tools_tool_gain_{when}_se": paired.get("reward_gain_se"),
+                           f"tools_eval_prompts_{when}": m.get("prompts")})
+        return {**report, "seconds": timings}
     if "grpo" in names:
         sft, rl = load(GRPO_SFT_FOLDER), load(FOLDERS["grpo"])
         funcs = rl.get("reward_funcs") or []
@@ -266,6 +309,27 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
         "ppo_reward_gain": rl.get("reward_gain"), "ppo_reward_gain_se": rl.get("reward_gain_se"),
         "ppo_kl_after": rl.get("kl_after"), "seconds": timings,
     }
+
+
+def tool_evals(out: Path, names: list[str], eval_data: list[str], timings: dict[str, float],
+               log: Callable[[str], None]) -> None:
+    """``dschat eval --step 3`` of the SFT model (before) and the GRPO actor (after) on the tools stage's held-out
+    prompts, each with the calculator against itself without it (``--baseline-without-tools``), each in its own
+    process, into ``O/tools_eval_{before,after}.json``."""
+    models = {"before": out / folder_of("sft", names) / "model", "after": out / FOLDERS["tools"] / "actor"}
+    for when, model in models.items():
+        if not (model / "config.json").exists():
+            log(f"[pipeline] tools eval {when}: no model at {model}; skipped")
+            continue
+        argv = ["eval", "--step", "3", "--model", str(model), "--baseline", str(model), "--baseline-without-tools",
+                *[a for d in eval_data for a in ("--data", d)], "--output", str(out / f"tools_eval_{when}.json"),
+                "--no-progress", *TOOLS_EVAL_ARGS]
+        log(f"[pipeline] tools eval {when}: dschat {' '.join(shlex.quote(a) for a in argv)}")
+        t0 = time.time()
+        rc = subprocess.call([*DSCHAT, *argv], stdout=subprocess.DEVNULL)
+        timings[f"eval_{when}"] = round(time.time() - t0, 1)
+        if rc != 0:
+            raise UserError(f"tools evaluation ({when}) failed (exit code {rc})")
 
 
 def judge_evals(out: Path, names: list[str], eval_data: list[str], eval_args: list[str],
@@ -362,6 +426,8 @@ def _run_stages(run: PipelineRun, log: Callable[[str], None]) -> dict[str, Any]:
             raise UserError(f"pipeline stage {name} failed (exit code {rc}); later stages were not run")
     if "judge" in run.names and run.eval_data:
         judge_evals(run.out, run.names, run.eval_data, run.eval_args, timings, log)
+    if "tools" in run.names and run.demo is not None:
+        tool_evals(run.out, run.names, [str(run.demo["tools"])], timings, log)
     report = summarize(run.out, timings, run.names, run.algo)
     write_json(run.out / "pipeline.json", report)
     return report
@@ -422,6 +488,15 @@ REPORT_LINES: dict[str, list[str | tuple[str, str]]] = {
              "{grpo_reward_gain_se} s.e.), loss {grpo_loss_type!s}",
              ("grpo_reward_funcs", "      {f:<17} {grpo_reward_{f}_before} -> {grpo_reward_{f}_after} (gain "
                                    "{grpo_reward_{f}_gain} ± {grpo_reward_{f}_gain_se} s.e.)")],
+    "tools": [_SFT,
+              "GRPO  accuracy          {tools_reward_before} -> {tools_reward_after} (gain {tools_reward_gain} ± "
+              "{tools_reward_gain_se} s.e., with the calculator, on GRPO's held-out prompts)",
+              "TOOLS with the tool     {tools_with_before} ± {tools_with_before_se} -> {tools_with_after} ± "
+              "{tools_with_after_se} (before -> after GRPO, {tools_eval_prompts_after!s} held-out prompts)",
+              "      without it        {tools_without_before} ± {tools_without_before_se} -> {tools_without_after} ± "
+              "{tools_without_after_se}",
+              "      the tool's gain   {tools_tool_gain_before} ± {tools_tool_gain_before_se} -> "
+              "{tools_tool_gain_after} ± {tools_tool_gain_after_se} (paired by prompt, s.e.)"],
     "judge": [_SFT,
               "GRPO  judge_match       {judge_match_reward_before} -> {judge_match_reward_after} (sampled, on GRPO's "
               "own held-out rows)",
@@ -439,7 +514,7 @@ REPORT_LINES: dict[str, list[str | tuple[str, str]]] = {
 
 def report_kind(names: list[str], algo: str = "dpo") -> list[str]:
     """Which blocks of ``REPORT_LINES`` a pipeline's report prints."""
-    for kind in ("judge", "grpo"):
+    for kind in ("judge", "grpo", "tools"):
         if kind in names:
             return [kind]
     if "dpo" in names:
