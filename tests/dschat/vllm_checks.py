@@ -22,6 +22,13 @@ def _prompts(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return pad_sequences(ids, tok.pad_token_id, "left")
 
 
+def _sample(backend: Any, model: Any, ids: Any, mask: Any, gen: Any, tok: Any, engine: Any = None) -> Any:
+    """As the hybrid engine samples from vLLM (``generate_with``): the weights synced first, then the sample."""
+    from dschat.generation.backends import generate_with
+
+    return generate_with(backend, model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=engine)
+
+
 TEXTS = ["你好，今天天气怎么样？", "My parcel has not arrived and the invoice looks wrong; what now?", "Hi"]
 
 
@@ -132,8 +139,3 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     main(sys.argv[1:])
 
-
-def _sample(backend: Any, model: Any, ids: Any, mask: Any, gen: Any, tok: Any, engine: Any = None) -> Any:
-    """As the hybrid engine samples from vLLM: the weights synced first, then the sample."""
-    backend.sync(model, engine, batch=ids.shape[0], total=ids.shape[1] + gen.max_new_tokens)
-    return backend.generate(model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id)
