@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from dschat.agents.agent import Agent
-from dschat.agents.calls import CallError, Turns, open_call, parse_call
+from dschat.agents.calls import CALL_OPEN, CallError, Turns, open_call, parse_call
 from dschat.agents.env import as_step
 from dschat.agents.tools import ToolCall
 from dschat.errors import first_line
@@ -86,6 +86,9 @@ class Episodes:
         self.turns = Turns(tokenizer)
         self.state = [_Row() for _ in rows]
         self.one_parameter = {t.name: t.required[0] for t in agent.tools if len(t.required) == 1}
+        # called as things happen: (row, kind, text), kind one of turn (the policy's finished turn), call (a call's
+        # body), result (a tool's answer), observation (an environment's); ``dschat chat`` shows them
+        self.on_event: Any = None
         self.may_close = agent.may_close(tokenizer)
         self.errors = {"env": 0}
 
@@ -145,37 +148,47 @@ class Episodes:
         waiting = [i for i, st in enumerate(self.state) if st.mode == WAIT]
         if waiting and all(st.mode in (WAIT, DONE) for st in self.state):
             self.state[waiting[0]].call.wait()  # every unfinished row waits: wait for the first tool
-        for i, st in enumerate(self.state):
-            if st.mode == WAIT:
-                assert st.call is not None
-                if not st.call.done():
-                    toks[i], real[i] = self.pad, False
-                    continue
-                result = st.call.wait()
-                st.errors += result.error is not None
-                st.call = None
-                st.forced.extend(self._ids(self.turns.tool_result(result.text)))
-                st.mode = FORCE if st.forced else SAMPLE
-            if st.mode == FORCE:
-                toks[i] = st.forced.popleft()
-                if not st.forced:
-                    st.mode = SAMPLE
-                continue
-            if st.mode == DONE:
-                toks[i], real[i], done[i] = self.pad, False, True
-                continue
-            tok = toks[i]
-            policy[i] = True
-            st.turn.append(tok)
-            if tok in self.eos:
-                self._end_turn(st)
-            elif tok in self.may_close:
-                body = open_call(self.tokenizer.decode(st.turn, skip_special_tokens=False))
-                if body is not None:
-                    self._call(st, body)
-            done[i] = st.mode == DONE
+        for i in range(B):
+            toks[i], real[i], policy[i], done[i] = self.step_row(i, toks[i])
         t = torch.tensor
         return (t(toks, device=dev), t(real, device=dev), t(policy, device=dev), t(done, device=dev))
+
+    def step_row(self, i: int, tok: int, block: bool = False) -> tuple[int, bool, bool, bool]:
+        """Row ``i``'s say on its sampled ``tok``: ``(token, real, policy, done)``. ``block``: a row whose tool is
+        still running waits for it instead of feeding a masked column."""
+        st = self.state[i]
+        if st.mode == WAIT:
+            assert st.call is not None
+            if not block and not st.call.done():
+                return self.pad, False, False, False
+            result = st.call.wait()
+            st.errors += result.error is not None
+            self._event(i, "result", result.text)
+            st.call = None
+            st.forced.extend(self._ids(self.turns.tool_result(result.text)))
+            st.mode = FORCE if st.forced else SAMPLE
+        if st.mode == FORCE:
+            tok = st.forced.popleft()
+            if not st.forced:
+                st.mode = SAMPLE
+            return tok, True, False, False
+        if st.mode == DONE:
+            return self.pad, False, False, True
+        st.turn.append(tok)
+        if tok in self.eos:
+            self._end_turn(i, st)
+        elif tok in self.may_close:
+            turn = self.tokenizer.decode(st.turn, skip_special_tokens=False)
+            body = open_call(turn)
+            if body is not None:
+                self._event(i, "turn", turn[: turn.rfind(CALL_OPEN)])
+                self._event(i, "call", body)
+                self._call(st, body)
+        return tok, True, True, st.mode == DONE
+
+    def sampling(self, i: int) -> bool:
+        """Whether row ``i``'s next token is the policy's (not a tool's result, an observation or its end)."""
+        return self.state[i].mode == SAMPLE
 
     def _call(self, st: _Row, body: str) -> None:
         st.turns += 1
@@ -193,10 +206,15 @@ class Episodes:
             st.call = self.agent.runner.call(call.name, call.arguments)
         st.mode = WAIT
 
-    def _end_turn(self, st: _Row) -> None:
+    def _event(self, row: int, kind: str, text: str) -> None:
+        if self.on_event is not None:
+            self.on_event(row, kind, text)
+
+    def _end_turn(self, i: int, st: _Row) -> None:
         st.turns += 1
         text = self.tokenizer.decode(st.turn, skip_special_tokens=True)
         st.turn = []
+        self._event(i, "turn", text)
         if st.env is None:
             st.mode, st.finished = DONE, True
             return
@@ -211,6 +229,7 @@ class Episodes:
         elif st.turns >= self.agent.max_turns:
             st.mode = DONE  # cut: the environment had more to say
         elif step.observation:
+            self._event(i, "observation", step.observation)
             st.forced.extend(self._ids(self.turns.observation(step.observation)))
             st.mode = FORCE
 

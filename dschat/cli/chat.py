@@ -93,12 +93,33 @@ def interactive(bot: Any, system: str | None, out: TextIO, banner: str) -> None:
               default="auto", show_default=True,
               help="What samples: auto = vLLM on a GPU where it is installed, else HF generate; vllm, dschat, "
                    "compiled, hf. vLLM writes the answer when it is complete, not token by token.")
+@click.option("--tools", multiple=True, help="A tool the model may call (repeatable): calculator or "
+                                            "path/to/file.py:function; each call and its result are shown as they "
+                                            "happen (docs/tools.md).")
+@click.option("--env", multiple=True, help="An environment that answers the model's turns (repeatable: "
+                                          "path/to/file.py:Class), its episode started from your message.")
+@click.option("--max-turns", "--max_turns", "max_turns", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --tools or --env: most assistant turns in one answer.")
+@click.option("--tool-timeout", "--tool_timeout", "tool_timeout", type=click.FloatRange(min=0, min_open=True),
+              default=10.0, show_default=True, help="With --tools: seconds a call may take.")
 def chat_command(model: str, prompt: str | None, system: str | None, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int, greedy: bool, repetition_penalty: float, seed: int | None, device: str,
-                 dtype: str, trust_remote_code: bool, generation_backend: str) -> None:
+                 dtype: str, trust_remote_code: bool, generation_backend: str, tools: tuple[str, ...],
+                 env: tuple[str, ...], max_turns: int, tool_timeout: float) -> None:
     """Chat with a model: interactively, or one answer with --prompt (clear resets, quit/exit/Ctrl-D ends)."""
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty")
+    agent = None
+    if tools or env:
+        from dschat.agents.agent import build_agent
+        from dschat.config import AgentArgs
+
+        agent = build_agent(AgentArgs(tools=list(tools), env=list(env), max_turns=max_turns, tool_timeout=tool_timeout))
+    else:
+        given = click.get_current_context().get_parameter_source
+        for name, flag in (("max_turns", "--max-turns"), ("tool_timeout", "--tool-timeout")):
+            if given(name) == click.core.ParameterSource.COMMANDLINE:
+                raise UserError(f"{flag} has no effect without --tools or --env")
     # torch and transformers: see the module docstring
     import torch
     import transformers
@@ -129,7 +150,7 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
         set_seed(seed)
     bot = Chatbot(lm, tokenizer, dev, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                   top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, log=log,
-                  backend=generation_backend)
+                  backend=generation_backend, agent=agent)
 
     out = sys.stdout
     if prompt is not None:

@@ -35,7 +35,9 @@ from dschat.training.pipeline import PipelineRun, parse_stages, report_lines, ru
 @click.option("--eval-data", multiple=True, help="judge: held-out judge rows on which the SFT and the GRPO judges "
                                                   "are evaluated (default: the demo's held-out file in the demo; "
                                                   "none otherwise, and the evaluation is skipped).")
-@click.option("--eval-args", default="", help="judge: extra `dschat eval --judge` flags, e.g. \"--votes 5\".")
+@click.option("--eval-args", default="", help="judge: extra `dschat eval --judge` flags, e.g. \"--votes 5\"; tools "
+                                            "(the demo): extra `dschat eval --step 3` flags, e.g. the --max-eval-rows "
+                                            "of --rl-args.")
 @click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
               default=None, help="What samples in the RL stage (its --generation-backend; default: auto, vLLM on a "
                                  "GPU where installed, else dschat's decoder).")

@@ -23,6 +23,7 @@ an uninterrupted run writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -35,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dschat.config import DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
+from dschat.config import AgentArgs, DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
 from dschat.rewards.names import JUDGE, RM, reward_sources
 from dschat.rlhf.config import (
     RewardArgs,
     RLArgs,
+    check_agent,
     check_reward_data,
     check_reward_models,
     reward_settings_inert,
@@ -92,6 +94,7 @@ class GenerateConfig:
                                      "top_p", "top_k", "generation_backend"), help={
         "per_device_generation_batch_size": "Prompts per generation batch, each sampled --num-samples times."})
     vllm: VLLMArgs = field(default_factory=VLLMArgs)
+    agent: AgentArgs = field(default_factory=AgentArgs)
     rewards: RewardArgs = piece(RewardArgs, help={
         "reward_funcs": "Reward source (repeatable): rm (the reward model's end score), format, accuracy, judge_match, "
                         "overlong, judge (a generative judge), or path/to/file.py:function. Default: rm with "
@@ -135,6 +138,7 @@ def check_generate_config(cfg: GenerateConfig) -> None:
     if g.keep == "pairs" and g.num_samples < 2:
         raise UserError("--keep pairs needs --num-samples >= 2 (chosen and rejected are two samples of a prompt)")
     check_reward_models(names, cfg.rewards)
+    check_agent(cfg.agent, cfg.rl.generation_backend, names)
     if Path(g.output).expanduser().is_dir():
         raise UserError(f"--output {g.output} is a folder; give a file name (e.g. {g.output.rstrip('/')}/gen.jsonl)")
 
@@ -201,7 +205,8 @@ def prompt_rows(prompt: Any, answer: str | None, samples: Sequence[Sample], keep
 
 
 # ------------------------------------------------------------------------------------------------ prompts
-def read_prompts(data: DataArgs, tokenizer: Any, log: Callable[[str], None]) -> tuple[list[Any], list[dict[str, Any]],
+def read_prompts(data: DataArgs, tokenizer: Any, log: Callable[[str], None],
+                 tools: list[dict[str, Any]] | None = None) -> tuple[list[Any], list[dict[str, Any]],
                                                                                       dict[str, int], list[Any]]:
     """Every row of every ``--data`` source, read as the stages read rows (``parse_rows``: malformed ones dropped
     and counted, a mostly malformed source stops) and tokenized as stage 3's prompts. Returns the row prompts
@@ -229,7 +234,7 @@ def read_prompts(data: DataArgs, tokenizer: Any, log: Callable[[str], None]) -> 
         log(f"data: {raw.name}: {len(raw.train)} rows, format {fmt}, {len(found)} prompts")
         examples += found
         fingerprints.append([name, raw.fingerprint or source_fingerprint(spec)])
-    rows = tokenize_examples(examples, 3, tokenizer, data, counts)
+    rows = tokenize_examples(examples, 3, tokenizer, data, counts, tools)
     assert len(rows) == len(examples)  # phase 3 keeps every row (long prompts are cut, counted)
     return [ex.prompt for ex in examples], rows, dict(counts), fingerprints
 
@@ -400,7 +405,11 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     t0 = time.time()
     model_path = resolve_saved_model(cfg.model.model)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    prompts, rows, data_counts, data_files = read_prompts(cfg.data, tok, log)
+    from dschat.agents.agent import build_agent
+
+    agent = build_agent(cfg.agent)  # --tools and --env: each sample is an episode, its whole text the response
+    prompts, rows, data_counts, data_files = read_prompts(cfg.data, tok, log,
+                                                          agent.tool_schemas if agent and agent.tools else None)
     if g.max_prompts:
         prompts, rows = prompts[: g.max_prompts], rows[: g.max_prompts]
     if not rows:
@@ -431,7 +440,7 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         hybrid = make_hybrid_engine(models.actor, tok, requested=False, backend=rl.generation_backend, vllm=cfg.vllm,
                                     max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
         scorer = build_scorer(cfg, models) if names else None
-        gen = GenerationConfig.from_flags(rl)
+        gen = dataclasses.replace(GenerationConfig.from_flags(rl), agent=agent)
         collator = DataCollatorRLHF(tok.pad_token_id)
         log(f"model {model_path} | {len(rows)} prompts x {N} samples, batches of {B} | keep {g.keep} | "
             f"scores {scorer.describe() if scorer else 'none'} | writing {out.partial}")

@@ -132,7 +132,7 @@ class Chatbot:
 
     def __init__(self, model: Any, tokenizer: Any, device: Any, *, max_new_tokens: int, greedy: bool,
                  temperature: float, top_p: float, top_k: int, repetition_penalty: float,
-                 log: Callable[[str], None], backend: str = "auto"):
+                 log: Callable[[str], None], backend: str = "auto", agent: Any = None):
         from dschat.models.loading import max_positions  # torch: imported when a chat starts
 
         self.model, self.tokenizer, self.device, self.log = model, tokenizer, device, log
@@ -152,7 +152,9 @@ class Chatbot:
         # auto: vLLM on a GPU, else the captured step on a GPU, else HF's generate, which reads the rest of the
         # model's own generation config. EOS ids come from that config either way (end of turn and end of text,
         # where a chat model lists both).
-        self.backend = make_backend(backend, model, fallback="hf")
+        # with tools or an environment (``agent``), dschat's own loop: the episodes run inside it
+        self.agent = agent
+        self.backend = make_backend(backend, model, fallback="dschat" if agent is not None else "hf")
         own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = own if own is not None else tokenizer.eos_token_id
 
@@ -172,6 +174,8 @@ class Chatbot:
         if cut:
             self.log(f"(message cut to its last {len(ids)} tokens to fit the model's positions)")
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if self.agent is not None:
+            return self._episode(kept, input_ids, write), kept
         streamer = _make_streamer(self.tokenizer, self.stops, write)
         streamer.put(input_ids.cpu())  # the prompt, which the streamer skips
         answer: list[int] = []
@@ -193,3 +197,30 @@ class Chatbot:
         streamer.end()
         text = self.tokenizer.decode(out.sequences[0, len(ids):], skip_special_tokens=True)
         return cut_at_stop(text, self.stops)[0].strip(), kept
+
+    def _episode(self, messages: Messages, input_ids: Any, write: Callable[[str], None]) -> str:
+        """One episode with the chat's tools or environment: each turn of the assistant, each call and each
+        result or observation written as it happens. Returns the episode's whole text."""
+        import torch
+
+        from dschat.agents.episode import Episodes
+        from dschat.generation.backends import generate_with
+
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        episodes = Episodes(self.agent, self.tokenizer, [{"prompt": prompt}], eos, self.tokenizer.pad_token_id)
+        shown = {"turn": "", "call": "\n  [call] ", "result": "\n  [result] ", "observation": "\n  [observation] "}
+
+        def show(row: int, kind: str, text: str) -> None:
+            text = text.strip()
+            if text or kind != "turn":
+                write(shown[kind] + text + ("\n" if kind in ("result", "observation") else ""))
+
+        episodes.on_event = show
+        with torch.inference_mode():
+            out = generate_with(self.backend, self.model, input_ids, torch.ones_like(input_ids),
+                                dataclasses.replace(self.generation, episodes=episodes), eos,
+                                self.tokenizer.pad_token_id)
+        assert out.real_mask is not None
+        answer = out.sequences[0, input_ids.shape[1]:]
+        return self.tokenizer.decode(answer[out.real_mask[0].bool()], skip_special_tokens=True).strip()

@@ -22,7 +22,7 @@ import torch
 
 from dschat import engine as E
 from dschat.generation.backends import generate_with, make_backend
-from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend
+from dschat.generation.decode import Backend, DschatBackend, Generated, GenerationConfig, HFBackend
 
 
 def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
@@ -79,19 +79,28 @@ class HybridEngine:
         if generator_seed is not None:  # reproducible sampling (evaluation) without disturbing training's RNG
             rng = torch.random.get_rng_state()
             torch.manual_seed(generator_seed)
-        try:
+        def whole(prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig) -> Generated:
             if self.backend.owns_weights:  # vLLM: the weights it lacks pushed first (every rank), then it samples
-                out = generate_with(self.backend, module, prompt, prompt_mask, config, self.eos_token_id,
-                                    self.pad_token_id, engine=self.actor)
-            elif self.use_deepspeed:
+                return generate_with(self.backend, module, prompt, prompt_mask, config, self.eos_token_id,
+                                     self.pad_token_id, engine=self.actor)
+            if self.use_deepspeed:
                 self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
-                out = HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
-                                           self.pad_token_id)
+                return HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
+                                            self.pad_token_id)
+            module.eval()
+            with E.gathered_parameters(self.actor):  # the engine: its prefetches settle first
+                return self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
+                                             self.pad_token_id)
+
+        try:
+            episodes = config.episodes
+            if episodes is not None and (self.use_deepspeed or not isinstance(self.backend, DschatBackend)):
+                # episodes on a backend that samples whole answers: turn by turn (dschat.generation.turns)
+                from dschat.generation.turns import generate_by_turns
+
+                out = generate_by_turns(whole, prompt, prompt_mask, config, episodes, self.pad_token_id)
             else:
-                module.eval()
-                with E.gathered_parameters(self.actor):  # the engine: its prefetches settle first
-                    out = self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
-                                                self.pad_token_id)
+                out = whole(prompt, prompt_mask, config)
         finally:
             if rng is not None:
                 torch.random.set_rng_state(rng)

@@ -300,15 +300,12 @@ def check_config(cfg: RLHFConfig) -> None:
 
 
 def check_agent(agent: AgentArgs, backend: str, reward_names: list[str]) -> None:
-    """Tools and environments run inside dschat's decode loop (``dschat.agents.episode``), and 'env' needs an
-    environment."""
+    """'env' needs an environment, and the tools and environments load (a missing file, function or class stops
+    here). ``backend`` is kept for the checks of a backend's own limits."""
     if "env" in reward_names and not agent.env:
         raise UserError("reward function 'env' is an environment's reward: it needs --env")
     if not (agent.tools or agent.env):
         return
-    if backend in ("hf", "vllm"):
-        raise UserError(f"--tools and --env run in dschat's decode loop (rows advance on their own, each prefix's "
-                        f"cache kept); --generation-backend {backend} has no place for them: use dschat (or auto)")
     from dschat.agents.agent import build_agent
 
     build_agent(agent)  # a missing file, function or class stops here, before any model loads

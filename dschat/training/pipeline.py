@@ -311,7 +311,7 @@ def summarize(out: Path, timings: dict[str, float], names: list[str] | None = No
     }
 
 
-def tool_evals(out: Path, names: list[str], eval_data: list[str], timings: dict[str, float],
+def tool_evals(out: Path, names: list[str], eval_data: list[str], eval_args: list[str], timings: dict[str, float],
                log: Callable[[str], None]) -> None:
     """``dschat eval --step 3`` of the SFT model (before) and the GRPO actor (after) on the tools stage's held-out
     prompts, each with the calculator against itself without it (``--baseline-without-tools``), each in its own
@@ -323,7 +323,7 @@ def tool_evals(out: Path, names: list[str], eval_data: list[str], timings: dict[
             continue
         argv = ["eval", "--step", "3", "--model", str(model), "--baseline", str(model), "--baseline-without-tools",
                 *[a for d in eval_data for a in ("--data", d)], "--output", str(out / f"tools_eval_{when}.json"),
-                "--no-progress", *TOOLS_EVAL_ARGS]
+                "--no-progress", *TOOLS_EVAL_ARGS, *eval_args]
         log(f"[pipeline] tools eval {when}: dschat {' '.join(shlex.quote(a) for a in argv)}")
         t0 = time.time()
         rc = subprocess.call([*DSCHAT, *argv], stdout=subprocess.DEVNULL)
@@ -370,7 +370,7 @@ class PipelineRun:
     num_gpus: int | None = None
     hostfile: str | None = None
     eval_data: list[str] = field(default_factory=list)  # judge: held-out judge rows (none: no judge evaluation)
-    eval_args: list[str] = field(default_factory=list)
+    eval_args: list[str] = field(default_factory=list)  # judge, tools: extra flags of their `dschat eval`
     pictures: Path | None = field(default=None, init=False)  # set by run_pipeline: the report's page, if drawn
 
     @property
@@ -427,7 +427,7 @@ def _run_stages(run: PipelineRun, log: Callable[[str], None]) -> dict[str, Any]:
     if "judge" in run.names and run.eval_data:
         judge_evals(run.out, run.names, run.eval_data, run.eval_args, timings, log)
     if "tools" in run.names and run.demo is not None:
-        tool_evals(run.out, run.names, [str(run.demo["tools"])], timings, log)
+        tool_evals(run.out, run.names, [str(run.demo["tools"])], run.eval_args, timings, log)
     report = summarize(run.out, timings, run.names, run.algo)
     write_json(run.out / "pipeline.json", report)
     return report

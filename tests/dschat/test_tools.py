@@ -466,9 +466,8 @@ def test_flags_that_do_nothing_without_tools_are_refused(tmp_path):
                      {"tools"})
     with pytest.raises(UserError, match="needs --env"):
         check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "reward_funcs": ["env"]}))
-    with pytest.raises(UserError, match="dschat's decode loop"):
-        check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "tools": ["calculator"],
-                                               "generation_backend": "hf"}))
+    check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "tools": ["calculator"],
+                                           "generation_backend": "hf"}))  # turn by turn (generation.turns)
     with pytest.raises(UserError, match="not found"):
         check_config(build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny",
                                                "tools": [f"{tmp_path}/none.py:f"]}))
@@ -547,3 +546,128 @@ def test_a_template_renders_the_tool_call_the_tool_turn_and_the_tool_list(tmp_pa
     # the turn's end first (the policy wrote the call, the template closes its turn), then the tool's turn
     assert turns.tool_result("221") == "</s>[user] <tool_response>221</tool_response></s>[assistant] "
     assert turns.observation("lower") == "[user] lower</s>\n[assistant] "  # after the policy's own EOS
+
+
+@pytest.mark.slow
+def test_pipeline_tools_runs_sft_then_grpo_with_the_calculator_and_both_evaluations(tmp_path):
+    from dschat.demo import demo_files
+    from dschat.training.pipeline import TOOLS_SFT_FOLDER
+    from tests.helpers import read_json, run_cli
+
+    out = tmp_path / "pipe"
+    proc = run_cli("pipeline", "tools", "--output-dir", str(out), "--sft-args", "--max-steps 10 --no-progress",
+                   "--rl-args", "--max-steps 2 --max-eval-rows 8 --max-answer-seq-len 40 --no-progress",
+                   "--eval-args", "--max-eval-rows 8 --max-new-tokens 40", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TOOLS with the tool" in proc.stdout and "the tool's gain" in proc.stdout
+    report = read_json(out / "pipeline.json")
+    assert set(report["seconds"]) == {"sft", "tools", "eval_before", "eval_after"}
+    assert report["tools_reward_funcs"] == ["accuracy"] and report["tools_eval_prompts_after"] == 8
+    for when in ("before", "after"):
+        assert report[f"tools_with_{when}"] is not None and report[f"tools_without_{when}"] is not None
+    args = read_json(out / "step3_tools" / "args.json")
+    assert args["algo"] == "grpo" and args["tools"] == ["calculator"] and args["reward_funcs"] == ["accuracy"]
+    assert read_json(out / TOOLS_SFT_FOLDER / "args.json")["data"] == [str(demo_files()["tools_sft"])]
+    ev = read_json(out / "tools_eval_after.json")
+    assert ev["tools"] == ["calculator"] and ev["baseline_tools"] is False
+
+
+# ------------------------------------------------------------------------------------------------ the other commands
+def test_chat_shows_each_call_and_its_result_as_it_happens(tok, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from dschat.generation.chat import Chatbot
+    from dschat.models.loading import resolve_model
+
+    scripted_policy(monkeypatch, lambda row: _ids(tok, " <tool_call>calculator(6*7)</tool_call>")
+                    + _ids(tok, " <answer>42</answer>"))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny")).eval()
+    bot = Chatbot(model, tok, torch.device("cpu"), max_new_tokens=80, greedy=True, temperature=0.0, top_p=1.0,
+                  top_k=0, repetition_penalty=1.0, log=lambda _: None, agent=_agent())
+    shown: list[str] = []
+    answer, _ = bot.reply([{"role": "user", "content": "6 times 7?"}], shown.append)
+    text = "".join(shown)
+    assert "[call] calculator(6*7)" in text and "[result] 42" in text and text.rstrip().endswith("<answer>42</answer>")
+    assert answer.endswith("<answer>42</answer>") and "<tool_response>42</tool_response>" in answer
+
+
+def test_generate_writes_whole_episodes(tmp_path, tok, monkeypatch):
+    from dschat.config import build_config
+    from dschat.demo import demo_files
+    from dschat.generation.best_of_n import GenerateConfig, generate
+    from dschat.utils import read_jsonl_rows
+
+    scripted_policy(monkeypatch, lambda row: _ids(tok, " <tool_call>calculator(6*7)</tool_call>")
+                    + _ids(tok, " <answer>42</answer>"))
+    out = tmp_path / "gen.jsonl"
+    generate(build_config(GenerateConfig, {
+        "model": "tiny", "data": [str(demo_files()["tools"])], "output": str(out), "max_prompts": 3,
+        "num_samples": 2, "per_device_generation_batch_size": 3, "max_answer_seq_len": 80, "keep": "all",
+        "progress": False, "tools": ["calculator"], "max_turns": 2}))
+    rows, _ = read_jsonl_rows(out)
+    assert len(rows) == 6
+    assert all("<tool_response>42</tool_response>" in r["response"] and r["response"].endswith("</answer>")
+               for r in rows)
+
+
+def test_a_backend_that_samples_whole_answers_runs_episodes_turn_by_turn(tok):
+    """generation.turns: each round's answers are cut at the row's first turn boundary (what was sampled after a
+    call is dropped), the tool's result appended, the next round sampled from the longer prefix; the masks and
+    texts are those of the decode loop's episodes."""
+    from dschat.agents.episode import Episodes
+    from dschat.generation.decode import Generated, GenerationConfig
+    from dschat.generation.turns import generate_by_turns
+
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    call = _ids(tok, " <tool_call>calculator(6*7)</tool_call>")
+    junk = _ids(tok, " 999 made up")
+    answer = _ids(tok, " <answer>42</answer>") + [eos]
+    prompts = ["\n\nHuman: 6*7?\n\nAssistant:", "\n\nHuman: hi\n\nAssistant:"]
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    seen: list[list[str]] = []
+
+    def sample(p, m, config):  # a backend that writes whole answers: row 0 calls then answers, row 1 answers
+        texts = [tok.decode(r[k.bool()]) for r, k in zip(p, m, strict=True)]
+        seen.append(texts)
+        outs = []
+        for t in texts:
+            if "6*7" in t and "<tool_response>" not in t:
+                outs.append(call + junk + [eos])  # junk after the call: drawn without the result
+            elif "6*7" in t:
+                outs.append(answer)
+            else:
+                outs.append(_ids(tok, " hello") + [eos])
+        width = max(len(o) for o in outs)
+        rows = [o + [pad] * (width - len(o)) for o in outs]
+        return Generated(torch.cat([p, torch.tensor(rows, dtype=p.dtype)], dim=1))
+
+    ep = Episodes(_agent(), tok, [{}, {}], [eos], pad)
+    out = generate_by_turns(sample, enc.input_ids, enc.attention_mask, GenerationConfig(max_new_tokens=120), ep,
+                            pad)
+    P = enc.input_ids.shape[1]
+    real, policy = out.real_mask, out.policy_mask
+    row0 = out.sequences[0, P:][real[0]].tolist()
+    assert tok.decode(row0) == tok.decode(call + _ids(tok, " <tool_response>42</tool_response>") + answer)
+    assert out.sequences[0, P:][policy[0]].tolist() == call + answer  # the junk was dropped, the result is context
+    assert tok.decode(out.sequences[1, P:][real[1]].tolist()) == tok.decode(_ids(tok, " hello") + [eos])
+    assert len(seen) == 2 and len(seen[1]) == 1  # the second round samples only the row still going
+    assert "<tool_response>42</tool_response>" in seen[1][0]
+    assert ep.finished() == [True, True] and ep.state[0].calls == 1
+
+
+@pytest.mark.slow
+def test_grpo_with_tools_on_hf_generate(tmp_path, tok):
+    """--generation-backend hf with --tools: the episodes run turn by turn (an untrained model, two steps)."""
+    from dschat.config import build_config
+    from dschat.rlhf.config import RLHFConfig
+    from tests.helpers import read_jsonl
+    from tests.helpers import run_stage as run
+
+    out = tmp_path / "hf"
+    run(build_config(RLHFConfig, {
+        "algo": "grpo", "actor_model": "tiny", "max_answer_seq_len": 16, "per_device_train_batch_size": 4,
+        "output_dir": str(out), "max_steps": 2, "progress": False, "max_eval_rows": 2, "per_device_eval_batch_size": 2,
+        "tools": ["calculator"], "num_generations": 2, "per_device_generation_batch_size": 2,
+        "generation_backend": "hf", "reward_funcs": ["format"]}))
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "episode/turns" in r]
+    assert len(rows) == 2 and all("train/actor_loss" in r for r in rows)
