@@ -146,6 +146,18 @@ def test_weight_sync_checked_and_faults_caught(tmp_path):
         assert "--sync-tolerance" in row["message"]
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_episodes_on_vllm_equal_hf_generate_turn_by_turn(tmp_path):
+    """Environments (and tools) on vLLM: greedy episodes run turn by turn (generation.turns) give the same tokens,
+    masks and rewards as on HF generate, over several turns."""
+    out = _check("episodes", str(tmp_path))
+    assert out["vllm"] == out["hf"], (out["vllm"], out["hf"])
+    assert max(out["hf"]["turns"]) >= 2 and any(out["hf"]["finished"])
+    real, policy = out["hf"]["real"], out["hf"]["policy"]
+    assert any(r and not p for rr, pp in zip(real, policy, strict=True) for r, p in zip(rr, pp, strict=True))
+
+
 REWARD = "def length(prompts, completions, **kw):\n    return [len(c) / 10 for c in completions]\n"
 
 

@@ -3,12 +3,14 @@
 
     python -m tests.dschat.vllm_checks greedy FOLDER FAMILY...
     python -m tests.dschat.vllm_checks sync FOLDER
+    python -m tests.dschat.vllm_checks episodes FOLDER
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +131,58 @@ def sync(folder: str) -> dict[str, Any]:
     return out
 
 
+class Again:
+    """An environment that answers every turn for two turns, then says done."""
+
+    def reset(self, row: dict[str, Any]) -> None:
+        self.turns = 0
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.turns += 1
+        return ("once more", 0.5, False) if self.turns < 2 else (None, 1.0, True)
+
+
+def episodes(folder: str) -> dict[str, Any]:
+    """Greedy episodes with an environment, turn by turn on vLLM and on HF generate: the same tokens, masks and
+    rewards. The turn's end is the token the untrained model writes most, so the episodes have several turns."""
+    from dschat.agents.agent import Agent
+    from dschat.agents.episode import Episodes
+    from dschat.agents.tools import ToolRunner
+    from dschat.generation.backends import generate_with
+    from dschat.generation.decode import GenerationConfig, HFBackend
+    from dschat.generation.turns import generate_by_turns
+    from dschat.generation.vllm_engine import VLLMBackend
+    from dschat.models.loading import create_causal_lm, load_tokenizer
+    from tests.families import build_family
+
+    path = str(build_family("llama_sp", folder, heads=2))
+    tok = load_tokenizer(path)
+    model = create_causal_lm(path).eval()
+    ids, mask = _prompts(tok, TEXTS)
+    first = HFBackend().generate(model, ids, mask, GenerationConfig(max_new_tokens=24, do_sample=False),
+                                 tok.eos_token_id, tok.pad_token_id).sequences[:, ids.shape[1]:]
+    end = Counter(first.flatten().tolist()).most_common(1)[0][0]  # the token it writes most: the turn's end
+    gen = GenerationConfig(max_new_tokens=64, do_sample=False)
+    out: dict[str, Any] = {}
+    for name, backend in (("hf", HFBackend()), ("vllm", VLLMBackend())):
+        agent = Agent([], ToolRunner([]), {"Again": Again}, "env", 4)
+        eps = Episodes(agent, tok, [{} for _ in TEXTS], [end], tok.pad_token_id)
+        try:
+            got = generate_by_turns(lambda p, m, c: generate_with(backend, model, p, m, c, [end], tok.pad_token_id),
+                                    ids, mask, gen, eps, tok.pad_token_id)
+        finally:
+            backend.close()
+        out[name] = {"sequences": got.sequences.tolist(), "policy": got.policy_mask.tolist(),
+                     "real": got.real_mask.tolist(), "turns": [st.turns for st in eps.state],
+                     "rewards": [st.env_reward for st in eps.state], "finished": eps.finished()}
+    return out
+
+
 def main(argv: list[str]) -> None:
     check, folder, *rest = argv
     Path(folder).mkdir(parents=True, exist_ok=True)
-    result = {"greedy": lambda: greedy(folder, rest), "sync": lambda: sync(folder)}[check]()
+    result = {"greedy": lambda: greedy(folder, rest), "sync": lambda: sync(folder),
+              "episodes": lambda: episodes(folder)}[check]()
     print(json.dumps(result))
 
 
