@@ -168,7 +168,8 @@ def episodes(folder: str) -> dict[str, Any]:
         agent = Agent([], ToolRunner([]), {"Again": Again}, "env", 4)
         eps = Episodes(agent, tok, [{} for _ in TEXTS], [end], tok.pad_token_id)
         try:
-            got = generate_by_turns(lambda p, m, c: generate_with(backend, model, p, m, c, [end], tok.pad_token_id),
+            got = generate_by_turns(lambda p, m, c, b=backend: generate_with(b, model, p, m, c, [end],
+                                                                             tok.pad_token_id),
                                     ids, mask, gen, eps, tok.pad_token_id)
         finally:
             backend.close()
