@@ -671,3 +671,21 @@ def test_grpo_with_tools_on_hf_generate(tmp_path, tok):
         "generation_backend": "hf", "reward_funcs": ["format"]}))
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "episode/turns" in r]
     assert len(rows) == 2 and all("train/actor_loss" in r for r in rows)
+
+
+def test_data_inspect_shows_a_tool_trace_s_masks(tmp_path):
+    """`dschat data inspect --phase 1` on a tool trace: the call and the answer trained, the tool's turn masked."""
+    from click.testing import CliRunner
+
+    from dschat.cli.data import data_inspect
+    from dschat.utils import write_jsonl
+
+    path = tmp_path / "trace.jsonl"
+    write_jsonl([{"messages": TRACE}] * 4, path)
+    result = CliRunner().invoke(data_inspect, ["--data", str(path), "--phase", "1", "--data-split", "1,0,0",
+                                               "--num-samples", "1"])
+    assert result.exit_code == 0, result.output
+    lines = [line.strip() for line in result.output.splitlines()]
+    assert any(line.startswith("masked") and "<tool_response>221</tool_response>" in line for line in lines)
+    assert any(line.startswith("trained") and "calculator" in line for line in lines)
+    assert any(line.startswith("trained") and "<answer>221</answer>" in line for line in lines)
