@@ -76,6 +76,9 @@ def write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
+METRICS_FILE = "metrics.jsonl"  # a run's logged rows in its output folder (every stage, the report, the resume)
+
+
 def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     """UTF-8 JSON Lines with ``ensure_ascii=False`` and ``\\n`` line ends, so the bytes depend only on the rows;
     written atomically. Returns ``path``."""

@@ -361,8 +361,8 @@ class ReMaxSpec(GRPOSpec):
     output_name = "step3_remax"
     # The greedy baseline is not the group mean, so advantages need not sum to zero: a per-sequence token mean
     # (grpo, gspo) then weighs a short answer's tokens more than a long one's, and a baseline far above the samples'
-    # mean pushes every answer down, short ones most (on the GRPO demo: answers grew 14 -> 24 tokens and the reward
-    # fell). REINFORCE's gradient is the sum over an answer's tokens, as dr_grpo's constant normaliser keeps it.
+    # mean pushes every answer down, short ones most (the demo's figures: docs/algorithms.md, the critic-free
+    # estimators). REINFORCE's gradient is the sum over an answer's tokens, as dr_grpo's constant normaliser keeps it.
     default_loss_type = "dr_grpo"
     runtime = "dschat.rlhf.remax:ReMax"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.utils import atomic_write_text, read_jsonl_rows
+from dschat.utils import METRICS_FILE, atomic_write_text, read_jsonl_rows
 
 __all__ = ["PLOTS", "Plot", "Run", "Section", "default_out", "load_run", "read_jsonl_rows", "sections_of",
            "write_report"]
@@ -138,7 +138,7 @@ class Run:
 
 def load_run(folder: Path, label: str) -> Run:
     """Read one stage's output folder. Raises UserError when it holds no ``metrics.jsonl``."""
-    path = folder / "metrics.jsonl"
+    path = folder / METRICS_FILE
     if not path.is_file():
         raise UserError(f"{folder}: no metrics.jsonl (not a dschat output folder, or its run has not logged yet)")
     rows, bad = read_jsonl_rows(path)
@@ -184,7 +184,7 @@ def _labels(folders: list[Path]) -> list[str]:
 
 
 def _stage_folders(folder: Path) -> list[Path]:
-    return sorted(d for d in folder.iterdir() if d.is_dir() and (d / "metrics.jsonl").is_file())
+    return sorted(d for d in folder.iterdir() if d.is_dir() and (d / METRICS_FILE).is_file())
 
 
 def sections_of(folders: list[Path]) -> list[Section]:
@@ -196,7 +196,7 @@ def sections_of(folders: list[Path]) -> list[Section]:
     for f in folders:
         if not f.is_dir():
             raise UserError(f"{f}: no such folder")
-        if (f / "metrics.jsonl").is_file():
+        if (f / METRICS_FILE).is_file():
             kinds.append("stage")
         elif _stage_folders(f):
             kinds.append("pipeline")
@@ -214,7 +214,7 @@ def sections_of(folders: list[Path]) -> list[Section]:
     sections = []
     for name in names:
         runs = [load_run(f / name, label) for f, label in zip(folders, labels, strict=True)
-                if (f / name / "metrics.jsonl").is_file()]
+                if (f / name / METRICS_FILE).is_file()]
         sections.append(Section(name, runs))
     return sections
 

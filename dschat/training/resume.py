@@ -40,7 +40,7 @@ from dschat.diskfull import DiskFull, disk_full_error, is_disk_full, remove_quie
 from dschat.errors import UserError
 from dschat.models.lora import lora_args_of
 from dschat.models.reward_model import RewardModel, hf_model
-from dschat.utils import atomic_write_text, read_jsonl_rows, write_jsonl
+from dschat.utils import METRICS_FILE, atomic_write_text, read_jsonl_rows, write_jsonl
 
 TAG = "state"
 
@@ -240,7 +240,7 @@ def truncate_metrics(output_dir: str | Path, step: int) -> None:
     ``metrics.jsonl`` and TensorBoard's events alike (``purge_tensorboard``)."""
     if not E.is_main():
         return
-    path = Path(output_dir) / "metrics.jsonl"
+    path = Path(output_dir) / METRICS_FILE
     if path.exists():
         rows, _ = read_jsonl_rows(path)
         write_jsonl([row for row in rows if row.get("step", 0) <= step], path)

@@ -14,7 +14,7 @@ from typing import Any
 from dschat.config import RunArgs
 from dschat.errors import ExitCode, first_line
 from dschat.training.sinks import RefusedKeys, Sink, open_sinks
-from dschat.utils import write_json
+from dschat.utils import METRICS_FILE, write_json
 
 DEFAULT_REPORT_TO: str = RunArgs.report_to  # TensorBoard and jsonl
 
@@ -57,7 +57,7 @@ class RunTracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         args = self._args() if report_to is None or config is None else {}
         report_to = report_to or args.get("report_to") or DEFAULT_REPORT_TO
-        self._jsonl = (self.dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._jsonl = (self.dir / METRICS_FILE).open("a", encoding="utf-8")
         self._sinks = open_sinks(report_to, self.dir, self.dir.resolve().name, args if config is None else config)
         atexit.register(self._at_exit)
         for sink in self._sinks:
@@ -96,7 +96,7 @@ class RunTracker:
             return
         from dschat.diskfull import disk_full_guard
 
-        with disk_full_guard("the metrics log", self.dir / "metrics.jsonl"):
+        with disk_full_guard("the metrics log", self.dir / METRICS_FILE):
             self._log(step, metrics, prefix)
 
     def _log(self, step: int, metrics: dict[str, Any], prefix: str) -> None:

@@ -25,7 +25,7 @@ from dschat.training import memory, oom
 from dschat.training.lock import claim_output_dir
 from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
 from dschat.training.sinks import RUN_IDS, check_trackers
-from dschat.utils import set_seed, write_json
+from dschat.utils import METRICS_FILE, set_seed, write_json
 
 TINY_LR = 1e-3  # a freshly initialised tiny model learns at rates a pretrained 7B would diverge at
 DEFAULT_LR = 1e-5
@@ -69,7 +69,7 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
     stage = Stage(name, out)
     if E.is_main():
         if not (run.resume and latest is not None):  # a fresh start: nothing of an older run stays
-            for stale in ("metrics.jsonl", "eval.json", "health.jsonl", RUN_IDS):
+            for stale in (METRICS_FILE, "eval.json", "health.jsonl", RUN_IDS):
                 if (out / stale).exists():
                     (out / stale).unlink()
             shutil.rmtree(checkpoint_root(out), ignore_errors=True)
