@@ -1,14 +1,27 @@
 """Loading a user's Python file: ``path/to/file.py:NAME`` as the object it names (reward functions, tools,
-environments), with one-line errors that name the file."""
+environments), with one-line errors that name the file; and the ``LABEL=SOURCE`` spelling that names such a source
+(``--reward-funcs``, ``--tools``, ``--env``)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError, first_line
+
+LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_LABELLED = re.compile(rf"({LABEL.pattern})=(.+)")
+
+
+def split_label(entry: str) -> tuple[str | None, str]:
+    """``LABEL=SOURCE`` -> ``(LABEL, SOURCE)``; an entry without a label -> ``(None, entry)``. A label is a letter
+    or ``_`` then letters, digits, ``_`` and ``-``, so a path or URL (``/x.py:f``, ``http://...?a=b``) is never
+    taken for one."""
+    m = _LABELLED.fullmatch(entry)
+    return (m.group(1), m.group(2)) if m else (None, entry)
 
 
 def is_file_spec(spec: str) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.userfiles import load_object
+from dschat.userfiles import load_object, split_label
 
 
 @dataclass
@@ -40,9 +40,7 @@ def load_envs(specs: list[str]) -> dict[str, type]:
     """``--env`` entries as classes by name (``NAME=FILE.py:Class``; without ``NAME=`` the class's name)."""
     out: dict[str, type] = {}
     for spec in specs:
-        label, eq, source = spec.partition("=")
-        if not eq or ":" in label or "/" in label:
-            label, source = "", spec
+        label, source = split_label(spec)
         cls = load_object(source, f"--env {spec!r}")
         if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
             raise UserError(f"--env {spec!r}: expected a class with reset(row) and step(text) methods")

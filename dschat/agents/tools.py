@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.errors import UserError, first_line
-from dschat.userfiles import load_object
+from dschat.userfiles import load_object, split_label
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -149,9 +149,7 @@ def load_tools(specs: list[str]) -> list[Tool]:
     """``--tools`` entries: built-in names or ``FILE.py:function`` (``LABEL=...`` names the tool otherwise)."""
     tools: list[Tool] = []
     for spec in specs:
-        label, eq, source = spec.partition("=")
-        if not eq or ":" in label or "/" in label:
-            label, source = "", spec
+        label, source = split_label(spec)
         if source in BUILTINS:
             tool = tool_from_function(BUILTINS[source], label or source)
         else:

@@ -11,20 +11,11 @@ from __future__ import annotations
 import re
 
 from dschat.errors import UserError
+from dschat.userfiles import LABEL, split_label
 
 RM = "rm"  # the reward model's end score, computed by stage 3
 JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
 REMOTE = "remote"  # the label of a reward server that its URL does not name
-LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_LABELLED = re.compile(rf"({LABEL.pattern})=(.+)")
-
-
-def split_label(entry: str) -> tuple[str | None, str]:
-    """``LABEL=SOURCE`` -> ``(LABEL, SOURCE)``; an entry without a label -> ``(None, entry)``. A label is a letter
-    or ``_`` then letters, digits, ``_`` and ``-``, so a path or URL (``/x.py:f``, ``http://...?a=b``) is never
-    taken for one."""
-    m = _LABELLED.fullmatch(entry)
-    return (m.group(1), m.group(2)) if m else (None, entry)
 
 
 def reward_sources(entries: list[str]) -> list[str]:
