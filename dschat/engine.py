@@ -1,8 +1,15 @@
 """The one module that talks to DeepSpeed and ``torch.distributed``.
 
-Everything distributed goes through here: process-group set-up (gloo on CPU, nccl on CUDA; a single process
-needs no launcher), DeepSpeed configs, training and inference engines, ZeRO-3 parameter gathering, collective
-helpers and rank queries. Other modules call these functions and never import deepspeed themselves.
+Everything distributed goes through here: process-group set-up (gloo on CPU; NCCL for CUDA tensors with gloo
+beside it for CPU ones on CUDA; a single process needs no launcher), DeepSpeed configs, training and inference
+engines, ZeRO-3 parameter gathering, collective helpers and rank queries. Other modules call these functions and
+never import deepspeed or ``torch.distributed`` themselves.
+
+Collectives and devices: NCCL serves CUDA tensors only, and the library reduces small CPU tensors (row counts,
+metric sums) and exchanges Python objects. So on CUDA the world group is made with two backends, gloo for CPU
+tensors and NCCL for CUDA ones (``cpu:gloo,cuda:nccl``). Where the group was made by someone else without a CPU
+backend (a launcher or library that initialised NCCL alone), ``setup_distributed`` adds a gloo group over the same
+ranks, and every helper here sends CPU tensors and objects through it (``_group_for``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.constants import default_pg_timeout
 from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
 from dschat.config import EngineArgs, OptimArgs
@@ -33,21 +41,58 @@ deepspeed.utils.logger.setLevel(logging.WARNING)
 # --------------------------------------------------------------------------------------------- process group
 def setup_distributed() -> None:
     """Join (or create) the process group. Without a launcher this is a world of one on a free local port."""
-    if dist.is_available() and dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # Under a launcher all four are set. A bare WORLD_SIZE alone (e.g. inherited from a parent process that
-    # set up its own world of one) must not send DeepSpeed looking for MPI.
-    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        # No launcher: a world of one. An in-memory store needs no port, so concurrent runs cannot collide.
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ[key] = value
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    global _CPU_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank())
+        backend = process_group_backend()
+        # Under a launcher all four are set. A bare WORLD_SIZE alone (e.g. inherited from a parent process that
+        # set up its own world of one) must not send DeepSpeed looking for MPI.
+        if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            # No launcher: a world of one. An in-memory store needs no port, so concurrent runs cannot collide.
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ[key] = value
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=default_pg_timeout)
+    if _CPU_GROUP is None and not serves_cpu():
+        _CPU_GROUP = dist.new_group(backend="gloo")  # every rank calls this, in the same order
     with _without_shm_comm_op():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     prefer_attention_kernels()
+
+
+def process_group_backend(cuda: bool | None = None) -> str:
+    """The backend dschat creates its world group with: gloo on a CPU machine; on CUDA, NCCL for CUDA tensors and
+    gloo for CPU ones, so the library's CPU counts and Python objects have a backend that serves them."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def serves_cpu(group: Any = None) -> bool:
+    """Whether ``group`` (default: the world) has a backend for CPU tensors (gloo, or a ``cpu:...`` entry)."""
+    return backend_serves_cpu(str(dist.get_backend_config(group)))
+
+
+def backend_serves_cpu(config: str) -> bool:
+    """Whether a backend configuration (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``, ...) has a backend for CPU."""
+    if ":" not in config:  # a bare name: gloo and mpi serve the CPU; nccl and other accelerator backends do not
+        return config in ("gloo", "mpi")
+    return any(part.split(":")[0].strip() == "cpu" for part in config.split(","))
+
+
+# A gloo group over the world's ranks, made only where the world group has no CPU backend (``setup_distributed``).
+_CPU_GROUP: Any = None
+
+
+def _group_for(t: torch.Tensor | None, group: Any = None) -> Any:
+    """The group a collective over ``t`` (``None``: Python objects, barriers) runs on: ``group``, except that CPU
+    tensors, objects and barriers on the world group go to the CPU group where the world has no CPU backend."""
+    if _CPU_GROUP is not None and (t is None or t.device.type == "cpu") and group in (None, dist.group.WORLD):
+        return _CPU_GROUP
+    return group
 
 
 @contextlib.contextmanager
@@ -77,9 +122,11 @@ def teardown_distributed() -> None:
     (its communication threads joined) before the interpreter exits. Left to interpreter exit, a rank whose peers
     had already gone could abort in the gloo threads' teardown ("terminate called without an active exception").
     A world of one keeps its group, so in-process callers can run several stages."""
+    global _CPU_GROUP
     if is_distributed() and world_size() > 1:  # (a vLLM engine's shutdown may have destroyed it already)
-        dist.barrier()
+        dist.barrier(group=_group_for(None))
         dist.destroy_process_group()
+        _CPU_GROUP = None
 
 
 def is_distributed() -> bool:
@@ -104,7 +151,7 @@ def is_main() -> bool:
 
 def barrier() -> None:
     if is_distributed() and world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_group_for(None))
 
 
 def device() -> torch.device:
@@ -114,10 +161,14 @@ def device() -> torch.device:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (returns a new tensor; the input is untouched)."""
+    """Sum a tensor over ranks (returns a new tensor on ``t``'s device; the input is untouched)."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> torch.Tensor:
     out = t.detach().clone()
     if is_distributed() and world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=op, group=_group_for(out))
     return out
 
 
@@ -126,10 +177,8 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    out = t.detach().clone()
-    if is_distributed() and world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    """The element-wise largest over ranks (a new tensor on ``t``'s device)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -137,7 +186,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not (is_distributed() and world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_group_for(None))
     return box[0]
 
 
@@ -146,7 +195,7 @@ def gather_objects(obj: Any) -> list[Any]:
     if not (is_distributed() and world_size() > 1):
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group_for(None))
     return out
 
 
@@ -477,7 +526,7 @@ def gather_shards(parts: dict[str, torch.Tensor], layout: dict[str, Shard],
             padded = torch.zeros(-(-numel // s.world), dtype=part.dtype, device=device())
             padded[: part.numel()] = part
             pieces = [torch.empty_like(padded) for _ in range(s.world)]
-            dist.all_gather(pieces, padded, group=s.group)
+            dist.all_gather(pieces, padded, group=_group_for(padded, s.group))
             whole = torch.cat(pieces)[:numel]
         if is_main():
             out[name] = whole.view(s.shape).to(device="cpu", dtype=s.dtype if as_model else part.dtype, copy=True)

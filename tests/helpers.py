@@ -62,7 +62,27 @@ def run_stage(cfg):
     return stage_module(step).run(cfg)
 
 
-def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600) -> tuple[list[int], list[str]]:
+CUDA_ONLY_WORLD = ROOT / "tests" / "cuda_only_world"
+
+
+def cuda_only_world(tmp_path: Path) -> dict[str, str]:
+    """The environment under which a launched run's world group has no CPU backend for dschat's collectives, as
+    NCCL has none (``tests/cuda_only_world``); each rank reports to ``tmp_path/cuda_only_world``."""
+    report = tmp_path / "cuda_only_world"
+    report.mkdir(exist_ok=True)
+    path = [str(CUDA_ONLY_WORLD), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "CUDA_ONLY_WORLD_REPORT": str(report)}
+
+
+def assert_cuda_only_world(tmp_path: Path, ranks: int = 2) -> None:
+    """Every rank ran on the emulated CUDA-only world group, and dschat made collectives on it."""
+    reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "cuda_only_world").glob("rank*.json"))]
+    assert len(reports) == ranks, reports
+    assert all(r["world"] == "cuda:gloo" and r["dschat"] > 0 for r in reports), reports
+
+
+def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600,
+                  extra_env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
     """Two ``launch/multi_node_no_ssh.sh`` launchers as two nodes on this machine (hostfile ``localhost`` and
     ``127.0.0.1``, one CPU rank each, meeting at 127.0.0.1 over gloo), running stage 1 with ``args_of_rank(r)``.
 
@@ -82,7 +102,7 @@ def run_two_nodes(tmp_path, args_of_rank, timeout: int = 600) -> tuple[list[int]
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "HOSTFILE": str(hostfile), "STEP": "1"}
+           "MASTER_PORT": str(port), "HOSTFILE": str(hostfile), "STEP": "1", **(extra_env or {})}
     env.pop("DRY_RUN", None)
     procs = []
     with contextlib.ExitStack() as stack:

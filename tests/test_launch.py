@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, read_json, run_two_nodes
+from tests.helpers import ROOT, assert_cuda_only_world, cuda_only_world, read_json, run_two_nodes
 
 LAUNCH = ROOT / "launch"
 SCRIPTS = ["single_process.sh", "single_node.sh", "multi_node_hostfile.sh", "multi_node_no_ssh.sh", "slurm.sbatch"]
@@ -69,9 +69,10 @@ def test_two_nodes_without_ssh_on_localhost(tmp_path):
     """Two launchers, as if on two nodes, each starting one CPU rank; they meet at 127.0.0.1 (gloo)."""
     out = tmp_path / "out"
     args = ["--model", "tiny", "--output-dir", str(out), "--max-steps", "4", "--no-progress", "--force"]
-    codes, logs = run_two_nodes(tmp_path, lambda rank: args)
+    codes, logs = run_two_nodes(tmp_path, lambda rank: args, extra_env=cuda_only_world(tmp_path))
     tails = "\n".join(log[-3000:] for log in logs)
     assert codes == [0, 0], tails
+    assert_cuda_only_world(tmp_path)  # dschat's collectives ran on a world group with no CPU backend, as NCCL
 
     assert read_json(out / "args.json")["world_size"] == 2
     assert (out / "eval.json").exists()

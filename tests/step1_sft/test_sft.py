@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from dschat.config import SFTConfig, build_config
-from tests.helpers import kill_when_state_saved, losses, read_json, read_jsonl, run_cli
+from tests.helpers import (
+    assert_cuda_only_world,
+    cuda_only_world,
+    kill_when_state_saved,
+    losses,
+    read_json,
+    read_jsonl,
+    run_cli,
+)
 from tests.helpers import run_stage as run
 
 
@@ -50,8 +58,9 @@ def test_sft_two_ranks_zero3_under_deepspeed_launcher(tmp_path):
     ext = tmp_path / "torch_extensions"  # gloo ranks need no JIT-built DeepSpeed op either
     proc = run_cli("train", "--step", "1", "--num-gpus", "2", "--model", "tiny", "--zero-stage", "3",
                    "--output-dir", str(out), "--max-steps", "6", "--no-progress", timeout=900,
-                   env={"TORCH_EXTENSIONS_DIR": str(ext)})
+                   env={"TORCH_EXTENSIONS_DIR": str(ext), **cuda_only_world(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_cuda_only_world(tmp_path)  # dschat's collectives ran on a world group with no CPU backend, as NCCL
     assert not ext.exists() or not any(ext.iterdir())
     args = read_json(out / "args.json")
     assert args["world_size"] == 2 and args["zero_stage"] == 3

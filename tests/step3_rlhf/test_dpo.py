@@ -213,15 +213,16 @@ def test_dpo_ctrl_c_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch,
 def test_dpo_two_ranks_actor_zero3_under_launcher(tmp_path):
     # Two CPU ranks under the deepspeed launcher, actor and reference at ZeRO-3: the reference log-probs of every
     # pair are computed on all ranks (collective forwards), each rank trains on its own pairs.
-    from tests.helpers import run_cli
+    from tests.helpers import assert_cuda_only_world, cuda_only_world, run_cli
 
     out = tmp_path / "dist"
     proc = run_cli("train", "--step", "3", "--num-gpus", "2", "--algo", "dpo", "--actor-model", "tiny",
                    "--data", str(demo_files()["pairwise"]), "--data-split", "18,1,1", "--actor-zero-stage", "3",
                    "--output-dir", str(out), "--max-steps", "3", "--gradient-accumulation-steps", "2",
                    "--per-device-train-batch-size", "2", "--actor-learning-rate", "1e-3", "--max-eval-rows", "8",
-                   "--no-progress", timeout=900)
+                   "--no-progress", timeout=900, env=cuda_only_world(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_cuda_only_world(tmp_path)  # dschat's collectives ran on a world group with no CPU backend, as NCCL
     assert read_json(out / "args.json")["world_size"] == 2
     ev = read_json(out / "eval.json")
     assert ev["steps"] == 3 and ev["eval_pairs_after"] == 8  # both ranks' shards, gathered

@@ -259,3 +259,22 @@ def test_each_reward_source_gets_the_paired_standard_error_of_its_gain():
     assert "eval/source_scores" not in eval_scalars(after) and eval_scalars(after)["eval/reward/format"] == 1.0
     del before["source_scores"]  # a state saved before the per-source scores existed (resume): no s.e., no error
     assert "reward_format_gain_se" not in source_summary(before, after, scorer)
+
+
+@pytest.mark.slow
+def test_grpo_two_ranks_on_a_world_group_without_a_cpu_backend(tmp_path, reward_file):
+    """Two ranks under the launcher with the world group CUDA-only for dschat's collectives, as NCCL is: GRPO's
+    loss units, group counts and metric means are all-reduced from CPU tensors, which the engine must route."""
+    from tests.helpers import assert_cuda_only_world, cuda_only_world, run_cli
+
+    out = tmp_path / "dist"
+    proc = run_cli("train", "--step", "3", "--num-gpus", "2", "--algo", "grpo", "--actor-model", "tiny",
+                   "--data", str(demo_files()["prompts"]), "--reward-funcs", reward_file, "--output-dir", str(out),
+                   "--max-steps", "2", "--max-answer-seq-len", "12", "--num-generations", "2",
+                   "--per-device-generation-batch-size", "2", "--per-device-training-batch-size", "2",
+                   "--max-eval-rows", "4", "--no-progress", timeout=900, env=cuda_only_world(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_cuda_only_world(tmp_path)
+    assert read_json(out / "args.json")["world_size"] == 2
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/actor_loss" in r]
+    assert len(rows) == 2 and all(r["time/tokens_per_s"] > 0 and abs(r["train/actor_loss"]) < 1e6 for r in rows)

@@ -12,7 +12,7 @@ from dschat.generation.hybrid_engine import HybridEngine
 from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_model
 from dschat.rlhf.config import RLHFConfig
 from dschat.rlhf.rollout import answer_logprobs, make_rollout, positions_from_mask
-from tests.helpers import read_json, read_jsonl, run_cli
+from tests.helpers import assert_cuda_only_world, cuda_only_world, read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run
 
 EOS, PAD = 2, 3
@@ -162,8 +162,9 @@ def test_ppo_two_ranks_actor_zero3_under_launcher(tmp_path):
     proc = run_cli("train", "--step", "3", "--num-gpus", "2", "--actor-model", "tiny", "--reward-model", "tiny",
                    "--actor-zero-stage", "3", "--output-dir", str(out), "--max-steps", "2", "--max-answer-seq-len",
                    "12", "--per-device-generation-batch-size", "2", "--per-device-training-batch-size", "2",
-                   "--max-eval-rows", "4", "--no-progress", timeout=900)
+                   "--max-eval-rows", "4", "--no-progress", timeout=900, env=cuda_only_world(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_cuda_only_world(tmp_path)  # dschat's collectives ran on a world group with no CPU backend, as NCCL
     assert read_json(out / "args.json")["world_size"] == 2
     ev = read_json(out / "eval.json")
     assert ev["steps"] == 2 and ev["reward_after"] is not None
