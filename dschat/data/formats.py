@@ -107,6 +107,10 @@ def _text(row: dict[str, Any], value: Any, name: str) -> str:
     return value
 
 
+ROLES = ("system", "user", "assistant", "tool")
+MAX_ARGUMENT_DEPTH = 32  # a tool call's arguments nested deeper than this are refused (they are rendered as JSON)
+
+
 def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
     if value is None:
         raise Dropped("empty")
@@ -114,18 +118,19 @@ def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise UserError(f"{row.get(WHERE, '?')}: field {name!r} must be a list of {{role, content}} messages")
-    out = []
+    out: Messages = []
     for i, m in enumerate(value):
         where = f"{row.get(WHERE, '?')}: field {name!r} message {i}"
         calls = m.get("tool_calls") if m.get("role") == "assistant" else None
         if "role" not in m or ("content" not in m and not calls):
             raise UserError(f"{where} needs 'role' and 'content'")
+        _check_role(m, out, where)
         content = m.get("content")
         if content is None and calls:
             content = ""
         if not isinstance(content, str):
             raise UserError(f"{where}: 'content' must be a string")
-        msg: dict[str, Any] = {"role": str(m["role"]), "content": content}
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
         if calls:
             msg["tool_calls"] = _tool_calls(calls, where)
         if m.get("role") == "tool" and isinstance(m.get("name"), str):
@@ -134,6 +139,37 @@ def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
     if not out or not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise Dropped("empty")
     return out
+
+
+def _check_role(m: dict[str, Any], before: Messages, where: str) -> None:
+    """A message's role is one the chat templates know, only an assistant message calls tools, and a ``tool``
+    message answers a call: it follows an assistant message with ``tool_calls`` (or another answer to them)."""
+    role = m["role"]
+    if role == "function":
+        raise UserError(f"{where}: role 'function' (the old OpenAI function result) is not supported: give it role "
+                        "'tool', after an assistant message whose 'tool_calls' made the call")
+    if role not in ROLES:
+        raise UserError(f"{where}: unknown role {str(role)[:40]!r} (use one of {', '.join(ROLES)})")
+    if m.get("tool_calls") and role != "assistant":
+        raise UserError(f"{where}: 'tool_calls' on a {role!r} message (only assistant messages call tools)")
+    if role == "tool":
+        last = next((b for b in reversed(before) if b["role"] != "tool"), None)
+        if last is None or last["role"] != "assistant" or not last.get("tool_calls"):
+            raise UserError(f"{where}: a 'tool' message must follow an assistant message that made a tool call "
+                            "('tool_calls')")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deeply lists and objects nest in ``value``, counted without recursion up to ``limit + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -145,14 +181,21 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     out = []
     for j, c in enumerate(calls):
         f = c.get("function", c) if isinstance(c, dict) else None
-        args = f.get("arguments", {}) if isinstance(f, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise UserError(f"{where}: tool call {j} needs a 'name' and 'arguments' (an object or a JSON string)")
+        args = f.get("arguments", {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                args = None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(args, dict):
-            raise UserError(f"{where}: tool call {j} needs a 'name' and 'arguments' (an object or a JSON string)")
+            except ValueError as e:
+                raise UserError(f"{where}: tool call {j}: 'arguments' is not valid JSON ({str(e)[:80]})") from None
+            except RecursionError:
+                raise UserError(f"{where}: tool call {j}: 'arguments' nest too deeply") from None
+        if not isinstance(args, dict):
+            raise UserError(f"{where}: tool call {j}: 'arguments' must be an object (or a JSON string of one), got "
+                            f"{type(args).__name__}")
+        if _depth(args, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
+            raise UserError(f"{where}: tool call {j}: 'arguments' nest deeper than {MAX_ARGUMENT_DEPTH} levels")
         out.append({"type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 

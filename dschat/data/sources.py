@@ -95,6 +95,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise UserError(f"{path}:{lineno}: JSON nested too deeply to read") from None
             if not isinstance(row, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             row[WHERE] = f"{path}:{lineno}"
@@ -111,6 +113,8 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         if e.msg == "Extra data":
             return _read_jsonl(path)
         raise UserError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply to read") from None
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:

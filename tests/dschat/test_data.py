@@ -19,7 +19,7 @@ from dschat.data.formats import (
     parse_row,
 )
 from dschat.data.phases import split_indices
-from dschat.data.sources import DataSpec
+from dschat.data.sources import WHERE, DataSpec, load_source
 from dschat.errors import UserError
 from dschat.models.loading import load_tokenizer, resolve_model
 
@@ -358,3 +358,58 @@ def test_every_row_format_has_its_parser():
     from dschat.data.formats import FORMATS, PARSERS
 
     assert set(PARSERS) == set(FORMATS)
+
+
+# ------------------------------------------------------------------------------------------ tool-call traces
+_CALL = {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+
+
+def _trace(*messages):
+    return {"messages": [{"role": "user", "content": "1 + 2?"}, *messages], WHERE: "traces.jsonl:7"}
+
+
+@pytest.mark.parametrize("messages,says", [
+    ([{**_CALL, "tool_calls": [{"function": {"name": "add", "arguments": "[" * 100_000 + "]" * 100_000}}]}],
+     "message 1: tool call 0: 'arguments' nest too deeply"),
+    ([{**_CALL, "tool_calls": [{"function": {"name": "add", "arguments": {"a": json.loads("[" * 40 + "]" * 40)}}}]}],
+     "'arguments' nest deeper than 32 levels"),
+    ([{**_CALL, "tool_calls": [{"function": {"name": "add", "arguments": "{a: 1}"}}]}],
+     "message 1: tool call 0: 'arguments' is not valid JSON"),
+    ([{**_CALL, "tool_calls": [{"function": {"name": "add", "arguments": "[1, 2]"}}]}],
+     "'arguments' must be an object (or a JSON string of one), got list"),
+    ([{"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}],
+     "message 1: a 'tool' message must follow an assistant message that made a tool call"),
+    ([{"role": "assistant", "content": "3"}, {"role": "tool", "content": "3"}],
+     "message 2: a 'tool' message must follow"),
+    ([_CALL, {"role": "function", "content": "3"}, {"role": "assistant", "content": "3"}],
+     "message 2: role 'function' (the old OpenAI function result) is not supported: give it role 'tool'"),
+    ([{"role": "robot", "content": "3"}], "message 1: unknown role 'robot'"),
+])
+def test_malformed_tool_traces_are_refused_naming_the_row_and_message(messages, says):
+    with pytest.raises(UserError) as e:
+        parse_row(_trace(*messages), "sft")
+    assert str(e.value).startswith("traces.jsonl:7: field 'messages' message ") and says in str(e.value), e.value
+
+
+def test_tool_calls_on_a_user_message_are_refused():
+    row = {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "a", "arguments": {}}}]},
+                        {"role": "assistant", "content": "x"}], WHERE: "t.jsonl:1"}
+    with pytest.raises(UserError, match=r"t.jsonl:1: .*message 0: 'tool_calls' on a 'user' message"):
+        parse_row(row, "sft")
+
+
+def test_a_well_formed_trace_with_two_calls_and_their_answers_is_kept():
+    two = {**_CALL, "tool_calls": _CALL["tool_calls"] * 2}
+    ex = parse_row(_trace(two, {"role": "tool", "content": "3"}, {"role": "tool", "content": "3"},
+                          {"role": "assistant", "content": "It is 3."}), "sft")
+    calls = [m for m in ex.prompt + [ex.chosen] if isinstance(m, dict) and m.get("tool_calls")] \
+        if isinstance(ex.prompt, list) else []
+    assert calls and calls[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
+
+
+def test_a_jsonl_line_nested_too_deeply_is_a_one_line_error(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b"}\n{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(UserError, match=r"deep.jsonl:2: JSON nested too deeply to read"):
+        load_source(DataSpec(str(path)))
