@@ -102,7 +102,7 @@ def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     from dschat.rewards.remote import is_remote
     from dschat.rlhf.config import REMOTE_FLAGS, check_agent, vllm_inert
 
-    names, r = sources_of(reward_sources(cfg.rewards)), cfg.rewards
+    names, r = sources_of(reward_sources(cfg.rewards, cfg.agent)), cfg.rewards
     inert = {}
     if not r.judge_model:
         inert.update({n: "without --judge-model" for n in ("judge_max_new_tokens", "judge_system_prompt")})

@@ -32,7 +32,7 @@ from dschat.generation.hybrid_engine import make_hybrid_engine
 from dschat.models.loading import load_tokenizer, resolve_saved_model
 from dschat.rewards.functions import RM
 from dschat.rewards.judge import JUDGE, JudgeReward, load_judge_reward, question_of
-from dschat.rewards.names import reward_labels
+from dschat.rewards.names import given_or_default, reward_labels
 from dschat.rewards.names import reward_sources as sources_of
 from dschat.rlhf.config import check_reward_data, check_reward_models
 from dschat.rlhf.engines import Models, frozen_models, reward_model_path
@@ -45,15 +45,16 @@ NOT_PASS_FAIL = (RM, JUDGE, "overlong")  # graded sources: no pass@k
 
 
 # ---------------------------------------------------------------------------------------------- reward sources
-def reward_sources(rewards: Any) -> list[str]:
-    """The sources ``dschat eval`` scores with (``rewards`` a ``RewardArgs``): ``--reward-funcs``, else ``rm``
-    with ``--reward-model``, else none (a judge alone compares the two models)."""
-    return list(rewards.reward_funcs) or ([RM] if rewards.reward_model else [])
+def reward_sources(rewards: Any, agent: Any) -> list[str]:
+    """The sources ``dschat eval`` scores with (``rewards`` a ``RewardArgs``, ``agent`` an ``AgentArgs``):
+    ``--reward-funcs``, else the environments' reward with ``--env``, else ``rm`` with ``--reward-model``, else
+    none (a judge alone compares the two models)."""
+    return given_or_default(rewards.reward_funcs, agent.env, [RM] if rewards.reward_model else [])
 
 
-def check_sources(rewards: Any, baseline: str) -> None:
+def check_sources(rewards: Any, agent: Any, baseline: str) -> None:
     """Stop before anything loads when a source lacks its model, or when nothing would score the answers."""
-    names = sources_of(reward_sources(rewards))
+    names = sources_of(reward_sources(rewards, agent))
     check_reward_models(names, rewards)
     if not names and not (rewards.judge_model and baseline):
         raise UserError("dschat eval --step 3 needs something to score the answers with: --reward-model, "
@@ -174,8 +175,8 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
     """
     t0 = time.time()
     r, rl = cfg.rewards, cfg.rl
-    entries = reward_sources(r)
-    check_sources(r, baseline)
+    entries = reward_sources(r, cfg.agent)
+    check_sources(r, cfg.agent, baseline)
     cfg.rewards.reward_funcs = entries  # the scorer's sources are exactly these (no algorithm default)
     names, labels = sources_of(entries), reward_labels(entries)  # what scores; what names its figures
     graded = frozenset(label for label, n in zip(labels, names, strict=True) if n in NOT_PASS_FAIL)

@@ -38,7 +38,7 @@ from typing import Any
 
 from dschat.config import AgentArgs, DataArgs, ModelArgs, RunArgs, VLLMArgs, arg, piece, to_flat_dict
 from dschat.errors import UserError
-from dschat.rewards.names import JUDGE, RM, reward_sources
+from dschat.rewards.names import JUDGE, RM, given_or_default, reward_sources
 from dschat.rlhf.config import (
     RewardArgs,
     RLArgs,
@@ -109,10 +109,12 @@ class GenerateConfig:
         return reward_sources(self.reward_entries())
 
     def reward_entries(self) -> list[str]:
-        """--reward-funcs as given (``LABEL=SOURCE`` kept), else the sources the given models imply: rm with
-        --reward-model, judge with --judge-model; none: samples are written unscored (``--keep all`` only)."""
+        """--reward-funcs as given (``LABEL=SOURCE`` kept), else the environments' reward with --env, else the
+        sources the given models imply: rm with --reward-model, judge with --judge-model; none: samples are written
+        unscored (``--keep all`` only)."""
         r = self.rewards
-        return list(r.reward_funcs) or ([RM] if r.reward_model else []) + ([JUDGE] if r.judge_model else [])
+        implied = ([RM] if r.reward_model else []) + ([JUDGE] if r.judge_model else [])
+        return given_or_default(r.reward_funcs, self.agent.env, implied)
 
     def inert_flags(self) -> dict[str, str]:
         names = self.reward_func_names()

@@ -9,6 +9,7 @@ made unique when two collide (``reward_labels``). A label is what every tracker 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from dschat.errors import UserError
 from dschat.userfiles import LABEL, split_label
@@ -16,6 +17,14 @@ from dschat.userfiles import LABEL, split_label
 RM = "rm"  # the reward model's end score, computed by stage 3
 JUDGE = "judge"  # the reward-function name of a trained judge in --reward-funcs
 REMOTE = "remote"  # the label of a reward server that its URL does not name
+ENV = "env"  # the environments' own reward (--env)
+
+
+def given_or_default(reward_funcs: list[str], env: Any, otherwise: list[str]) -> list[str]:
+    """The ``--reward-funcs`` entries as given; without them, the environments' reward when ``--env`` names any
+    (an environment owns its reward), else ``otherwise`` (the command's own default). Training, evaluation and
+    ``dschat generate`` all choose so."""
+    return list(reward_funcs) or ([ENV] if env else list(otherwise))
 
 
 def reward_sources(entries: list[str]) -> list[str]:
