@@ -97,7 +97,13 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
 
     # 3. evaluate before training (kept in the state, so a resumed run compares with the same numbers)
     def evaluation() -> dict[str, Any]:
-        return algo.evaluate(evals) if data.eval else {}
+        if not data.eval:
+            return {}
+        try:
+            return algo.evaluate(evals)
+        finally:
+            hybrid.release()  # its captured graphs go before training
+            hybrid.capture_metrics()  # and their count is no step's
     kept = state.get("before") or {}
     samples = kept.get("eval_samples", 1)  # runs saved before the flag sampled one answer per prompt
     if kept and samples != rl.eval_samples:  # the gain pairs before and after prompt by prompt

@@ -70,7 +70,7 @@ class Backend(Protocol):
 
     name: str
     owns_weights: bool  # holds its own copy of the weights (vLLM): no ZeRO-3 gather around generate, a sync instead
-    # what the last sync (or capture) measured, for the step's metrics; the hybrid engine empties it once read
+    # what the last sync measured, for the step's metrics; the hybrid engine empties it once read
     last: dict[str, float]
 
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
@@ -81,7 +81,8 @@ class Backend(Protocol):
         ...
 
     def release(self) -> None:
-        """After sampling: give memory back to training (vLLM's sleep); a no-op where nothing is held."""
+        """At the end of a generate phase: give memory back to training (vLLM's sleep, dschat's captured graphs
+        and their KV caches); a no-op where nothing is held."""
         ...
 
     def close(self) -> None:
@@ -180,9 +181,15 @@ class DschatBackend(OwnWeights):
         if graph:
             self.name = "graph"
 
+    def release(self) -> None:
+        """The end of a generate phase: the captured graphs and their KV caches are freed (CUDA's cached blocks
+        with them), so training has that memory; the next generation captures again (``GraphCache.release``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     def close(self) -> None:
         if self.graphs is not None:
-            self.graphs.clear()
+            self.graphs.release()
 
     def _lean_or_refuse(self, module: torch.nn.Module, total: int) -> None:
         ok, why = LeanLlama.supported(module, total)
@@ -223,9 +230,19 @@ class DschatBackend(OwnWeights):
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
                  config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated:
+        try:
+            return self._generate(module, prompt, prompt_mask, config, eos_token_id, pad_token_id)
+        except Exception as e:
+            from dschat.training.oom import is_oom
+
+            if self.graphs is not None and is_oom(e):  # a caller that retries on halves starts with nothing held
+                self.graphs.release()
+            raise
+
+    def _generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                  config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int) -> Generated:
         B, P = prompt.shape
         N = config.max_new_tokens
-        step = None
         device = prompt.device
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         step = None
@@ -238,10 +255,7 @@ class DschatBackend(OwnWeights):
             return self._episodes(module, prompt, prompt_mask, config, episodes, pad_token_id)
         if self.graphs is not None and LeanLlama.supported(module, P + N)[0]:
             rows = bucket(B, BATCH_BUCKET)
-            captured = self.graphs.capture_seconds
             step = self.graphs.get(module, rows, bucket(P + N, WIDTH_BUCKET))
-            if self.graphs.capture_seconds > captured:
-                self.last["time/graph_capture_s"] = self.graphs.capture_seconds - captured
             dec: LeanLlama | HFForward = step.dec
             spare = rows - B
             full, full_mask = prompt, prompt_mask

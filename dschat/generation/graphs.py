@@ -11,11 +11,22 @@ keeps:
   cache is allocated once per bucket and emptied in place (``LeanLlama.reset``) for the next batch; the weights are
   the module's own, read where they live.
 * **Buckets.** A capture serves one (batch, cache width) shape: the batch is padded up to a multiple of
-  ``BATCH_BUCKET`` rows and the width to a multiple of ``WIDTH_BUCKET`` columns, so the rollouts, the evaluations
-  and the last short batch of a run share a few captures. They are kept (``GraphCache``, at most ``KEEP``)
-  and replayed across steps and evaluations: an optimizer step updates the weights in place, which the replay
-  reads. Weights that moved (ZeRO-3 gathers them into new memory for each generation) are caught by their
-  addresses, and that bucket is captured again.
+  ``BATCH_BUCKET`` rows and the width to a multiple of ``WIDTH_BUCKET`` columns, so the generation calls of one
+  phase (an evaluation's batches, its last short batch; a chat's turns) share a few captures. They are kept
+  (``GraphCache``, at most ``KEEP``) until the phase ends, or for good by a caller that never trains (``dschat
+  chat``, the judge); an optimizer step updates the weights in place, which the replay reads. Weights that moved
+  are caught by their addresses, and that bucket is captured again.
+* **Released when the phase ends.** Each capture holds its bucket's KV cache (in bf16 at 64 rows of 384 tokens:
+  0.55 GB for TinyLlama-1.1B's shape, 12 GiB for Llama-2-7B's) and its memory pool. Stage 3's hybrid engine
+  releases them after each training rollout and each evaluation (``GraphCache.release``: the captures dropped,
+  CUDA's cached blocks returned), so a step's scoring, experience forwards and training never run beside them and
+  the plan counts them in the generate phase alone (docs/planning.md). The next call captures again, a few eager
+  token steps, logged per step as ``generation/graph_captures`` and ``generation/graph_capture_s``.
+* **ZeRO-3.** A ZeRO-3 gather puts the weights in new memory for every generation call, so a capture made over
+  them holds for that call; since a training rollout's capture is released when the call ends anyway, a step
+  captures as often as without ZeRO-3. Within an evaluation the batches' gathers may land elsewhere, and each such
+  batch is captured again (the weights' addresses are part of the capture's key: never a replay over stale
+  memory). No copy of the weights is made for the graph.
 
 Sampling runs right after the replay, on the GPU (``dschat.generation.sampling``): the loop asks the host whether
 every row has ended only every few tokens (``STOP_CHECK_EVERY``) and cuts the overshoot afterwards, so its output
@@ -108,7 +119,8 @@ class CapturedStep:
 
 class GraphCache:
     """The captured steps of one backend, by (module, batch bucket, width bucket, dtype), most recent last; a
-    capture whose weights moved is made again. ``captures`` and ``capture_seconds`` count what it cost."""
+    capture whose weights moved is made again. ``captures`` and ``capture_seconds`` count what it cost over the
+    cache's life (the hybrid engine reports them per step)."""
 
     def __init__(self, capture: bool | None = None):
         self.capture = torch.cuda.is_available() if capture is None else capture
@@ -143,3 +155,14 @@ class GraphCache:
     def clear(self) -> None:
         self.steps.clear()
         self.pool = None
+
+    def release(self) -> None:
+        """Free every capture, its static KV cache and the graphs' memory pool; on CUDA the allocator's cached
+        blocks go back to the device as well (a freed graph pool is reusable only once returned). Nothing to do
+        when nothing is held."""
+        if not self.steps and self.pool is None:
+            return
+        self.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # no replay may still be reading what is freed
+            torch.cuda.empty_cache()

@@ -10,10 +10,15 @@ Two paths:
   dschat's own loop by default, or HF ``generate``) on the actor's module, with ZeRO-3 parameters gathered once
   for the whole call (a per-token gather would cost a collective per layer per token), then back to training
   mode.
+
+Stage 3 calls ``release`` at the end of every generate phase (each training rollout, each evaluation), before
+scoring and training: the backend's memory goes back (the CUDA-graph captures and their KV caches). What the
+captures cost is reported with the step's metrics (``sync_metrics``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from dschat import engine as E
+from dschat.devices import forked_rng
 from dschat.generation.backends import generate_with, make_backend
 from dschat.generation.decode import Backend, DschatBackend, Generated, GenerationConfig, HFBackend
 
@@ -48,14 +54,36 @@ class HybridEngine:
         self.backend = (make_backend(backend, E.unwrap(actor), vllm, max_model_len) if isinstance(backend, str)
                         else backend)
         self.last_generate_seconds = 0.0
-        self._said_capture: float | None = None
+        self._said_capture = False
+        self._counted = (0, 0.0)  # the graph cache's captures and their seconds when last reported
 
     def sync_metrics(self) -> dict[str, float]:
         """What the backend measured since the last call, once: a weight sync (vLLM: ``sync/max_logprob_diff``,
-        ``time/sync_s``), a CUDA-graph capture (``time/graph_capture_s``); empty when nothing happened."""
+        ``time/sync_s``) and the CUDA-graph captures (``capture_metrics``); empty when nothing was measured."""
         out = dict(self.backend.last)
         self.backend.last.clear()
+        out.update(self.capture_metrics())
         return out
+
+    def capture_metrics(self) -> dict[str, float]:
+        """The CUDA-graph captures made since the last call: ``generation/graph_captures`` and their seconds,
+        ``generation/graph_capture_s`` (zero when every generation replayed a capture). Empty for a backend that
+        captures nothing, or when DeepSpeed's hybrid engine samples instead."""
+        graphs = getattr(self.backend, "graphs", None)
+        if graphs is None or self.use_deepspeed:
+            return {}
+        out = {"generation/graph_captures": float(graphs.captures - self._counted[0]),
+               "generation/graph_capture_s": graphs.capture_seconds - self._counted[1]}
+        self._counted = (graphs.captures, graphs.capture_seconds)
+        return out
+
+    def release(self) -> None:
+        """End a generate phase: the backend gives its memory back before anything else runs (dschat's captured
+        graphs and their KV caches; vLLM is put to sleep after every sample already). Stage 3 calls it after each
+        training rollout, before the scores, the experience forwards and training, and after each evaluation;
+        the next generation captures again."""
+        if not self.backend.owns_weights:
+            self.backend.release()
 
     def close(self) -> None:
         """Free what the backend holds (vLLM's engine, before torch.distributed is torn down; captured graphs)."""
@@ -75,10 +103,9 @@ class HybridEngine:
         t0 = time.time()
         module = self.module
         was_training = module.training
-        rng = None
-        if generator_seed is not None:  # reproducible sampling (evaluation) without disturbing training's RNG
-            rng = torch.random.get_rng_state()
-            torch.manual_seed(generator_seed)
+        graphs = getattr(self.backend, "graphs", None)
+        captures = graphs.captures if graphs is not None else 0
+
         def whole(prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig) -> Generated:
             if self.backend.owns_weights:  # vLLM: the weights it lacks pushed first (every rank), then it samples
                 return generate_with(self.backend, module, prompt, prompt_mask, config, self.eos_token_id,
@@ -92,28 +119,29 @@ class HybridEngine:
                 return self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
                                              self.pad_token_id)
 
+        # a seeded sample (evaluation) draws its own stream and leaves training's where it was, CPU and CUDA alike
         try:
-            episodes = config.episodes
-            if episodes is not None and (self.use_deepspeed or not isinstance(self.backend, DschatBackend)):
-                # episodes on a backend that samples whole answers: turn by turn (dschat.generation.turns)
-                from dschat.generation.turns import generate_by_turns
+            with forked_rng(generator_seed) if generator_seed is not None else contextlib.nullcontext():
+                episodes = config.episodes
+                if episodes is not None and (self.use_deepspeed or not isinstance(self.backend, DschatBackend)):
+                    # episodes on a backend that samples whole answers: turn by turn (dschat.generation.turns)
+                    from dschat.generation.turns import generate_by_turns
 
-                out = generate_by_turns(whole, prompt, prompt_mask, config, episodes, self.pad_token_id)
-            else:
-                out = whole(prompt, prompt_mask, config)
+                    out = generate_by_turns(whole, prompt, prompt_mask, config, episodes, self.pad_token_id)
+                else:
+                    out = whole(prompt, prompt_mask, config)
         finally:
-            if rng is not None:
-                torch.random.set_rng_state(rng)
             if was_training:
                 (self.actor if self.use_deepspeed else module).train()
         if out.logprobs is not None and next(module.parameters()).dtype != torch.float32:
             out.logprobs = None
         self.last_generate_seconds = time.time() - t0
-        captured = self.backend.last.get("time/graph_capture_s")
-        if captured is not None and captured != self._said_capture and E.is_main():
-            self._said_capture = captured  # once per capture: later steps and evaluations replay it
-            print(f"[generation] token step captured as a CUDA graph for {prompt.shape[0]} rows in {captured:.2f} s; "
-                  "replayed from here on", file=sys.stderr)
+        if graphs is not None and graphs.captures > captures and not self._said_capture and E.is_main():
+            self._said_capture = True  # once: the figures of every later capture are in the step's metrics
+            print(f"[generation] token step captured as a CUDA graph for {prompt.shape[0]} rows in "
+                  f"{graphs.capture_seconds:.2f} s and replayed per token; freed at the end of each generate phase "
+                  "and captured again at the next (generation/graph_captures, generation/graph_capture_s)",
+                  file=sys.stderr)
         return out
 
     def generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,

@@ -7,6 +7,7 @@ through its own ``forward`` (``dschat.generation.decode.HFForward``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,38 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # The most a split decoder copies (its column-split weights, ``LeanLlama.split``): beyond this the copy is not made
 # and the one-token products run as single matmuls.
 SPLIT_COPY_BYTES = 2 << 30
+
+# The most a fused decoder copies (each layer's q/k/v and gate/up weights stacked, ``LeanLlama.fused``): beyond this
+# the layers run one product per weight matrix.
+FUSE_COPY_BYTES = 4 << 30
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (..., D): x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1). The
+    halves are swapped by one ``cat`` (which reads a strided ``x`` in place, where a roll would copy it first on
+    CUDA) and the minus sits in ``signed_sin`` = cat(-sin1, sin2); (-a) * b == -(a * b) exactly, so the bits are
+    those of transformers' ``apply_rotary_pos_emb``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Keys or values (B, Hkv, L, D) repeated to (B, Hkv * groups, L, D) in transformers' ``repeat_kv`` order
+    (query head h reads key head h // groups); ``x`` itself when ``groups`` is 1."""
+    if groups == 1:
+        return x
+    B, Hkv, L, D = x.shape
+    return x[:, :, None].expand(B, Hkv, groups, L, D).reshape(B, Hkv * groups, L, D)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (..., W) as the additive one SDPA's fused kernels read: 0 where True, -inf where
+    False, in ``dtype``. The last dimension's storage is padded to a multiple of 8 elements (the returned tensor is
+    a view of the first W columns), so every stride but the last is a multiple of 8: the alignment that torch's
+    memory-efficient kernel asks of a mask, which it otherwise meets by a padded copy at every call."""
+    width = allowed.shape[-1]
+    out = torch.full((*allowed.shape[:-1], -(-width // 8) * 8), float("-inf"), dtype=dtype, device=allowed.device)
+    return out[..., :width].masked_fill_(allowed, 0.0)
 
 
 def _split_bmm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -45,13 +78,15 @@ class _Products:
     def __init__(self, model: torch.nn.Module, head_dim: int):
         self.model, self.layers, self.D = model, model.model.layers, head_dim
 
-    def qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer i's queries, keys and values of ``h`` (B, n, hidden): (B, heads, n, D) each, not rotated."""
+    def qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's queries, keys and values of ``h`` (B, n, hidden): (B, heads, n, D) each, queries and keys
+        rotated by ``cos``, ``sin`` (B, 1, n, D)."""
         a, (B, n) = self.layers[i].self_attn, h.shape[:2]
         q = _linear(h, a.q_proj.weight, a.q_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
         k = _linear(h, a.k_proj.weight, a.k_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
         v = _linear(h, a.v_proj.weight, a.v_proj.bias).view(B, n, -1, self.D).transpose(1, 2)
-        return q, k, v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
         a = self.layers[i].self_attn
@@ -64,6 +99,111 @@ class _Products:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> logits (B, V)."""
         return _linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+
+class _Stacked:
+    """Each layer's q, k and v weights stacked as one matrix (q rows, then k, then v; biases likewise, zeros for a
+    projection without one) and its gate and up weights as another: copies of a module's weights, one per module
+    shared by its decoders alive at once (``stacked``), copied again in place by ``refresh`` (an optimizer step
+    changes the module's weights in place; a kept decoder, whose captured graph reads these tensors, is reused
+    across steps)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = model.model.layers
+        self.qkv: list[torch.Tensor] = []
+        self.qkv_bias: list[torch.Tensor | None] = []
+        self.gate_up: list[torch.Tensor] = []
+        with torch.no_grad():
+            for layer in self.layers:
+                weights, biases, gate_up = self._sources(layer)
+                self.qkv.append(torch.cat(weights))
+                self.qkv_bias.append(None if biases is None else torch.cat(biases))
+                self.gate_up.append(torch.cat(gate_up))
+
+    @staticmethod
+    def _sources(layer: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
+        a, f = layer.self_attn, layer.mlp
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        biases = None
+        if any(p.bias is not None for p in qkv):
+            biases = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv]
+        return [p.weight for p in qkv], biases, [f.gate_proj.weight, f.up_proj.weight]
+
+    def fits(self, model: torch.nn.Module) -> bool:
+        """Whether these copies have the layout, dtype and device of ``model``'s weights now."""
+        layers = model.model.layers
+        if layers is not self.layers or len(self.qkv) != len(layers):
+            return False
+        for layer, qkv, bias, gate_up in zip(layers, self.qkv, self.qkv_bias, self.gate_up, strict=True):
+            weights, biases, mlp = self._sources(layer)
+            w = weights[0]
+            if (qkv.dtype, qkv.device) != (w.dtype, w.device) or qkv.shape[0] != sum(x.shape[0] for x in weights) \
+                    or gate_up.shape[0] != sum(x.shape[0] for x in mlp) or (bias is None) != (biases is None):
+                return False
+        return True
+
+    def refresh(self) -> None:
+        """Copy the module's current weights into the stacked tensors, in place (their addresses stay)."""
+        with torch.no_grad():
+            for layer, qkv, bias, gate_up in zip(self.layers, self.qkv, self.qkv_bias, self.gate_up, strict=True):
+                weights, biases, mlp = self._sources(layer)
+                torch.cat(weights, out=qkv)
+                if bias is not None and biases is not None:
+                    torch.cat(biases, out=bias)
+                torch.cat(mlp, out=gate_up)
+
+
+# the live stacked copies, by module: weakly held on both sides, so a copy lives exactly as long as the decoders
+# that read it (and a module's entry as long as the module)
+_STACKED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[_Stacked]] = weakref.WeakKeyDictionary()
+
+
+def stacked(model: torch.nn.Module) -> _Stacked:
+    """``model``'s stacked q/k/v and gate/up weights with its current values: the copy its live decoders already
+    hold, refreshed in place, or a new one."""
+    ref = _STACKED.get(model)
+    held = ref() if ref is not None else None
+    if held is not None and held.fits(model):
+        held.refresh()
+        return held
+    held = _Stacked(model)
+    _STACKED[model] = weakref.ref(held)
+    return held
+
+
+def stacked_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s stacked copy (``_Stacked``): its q/k/v, gate and up weights, and q/k/v biases (a
+    zero row for a projection without one) where any projection of a layer has one."""
+    total = 0
+    for layer in model.model.layers:
+        weights, biases, mlp = _Stacked._sources(layer)
+        w = weights[0]
+        total += sum(x.numel() for x in (*weights, *mlp, *(biases or ()))) * w.element_size()
+    return total
+
+
+class _FusedProducts(_Products):
+    """The same maps with each layer's q, k and v in one product and its gate and up in one (over ``_Stacked``
+    copies of the weights), and the queries and keys rotated together: per layer two products and one rotation
+    where ``_Products`` runs five products and two rotations. Each output is the same dot product over the same
+    inputs; a wider product may round differently (the tests bound the log-prob difference)."""
+
+    def __init__(self, model: torch.nn.Module, head_dim: int, heads: int, kv_heads: int):
+        super().__init__(model, head_dim)
+        self.H, self.Hkv = heads, kv_heads
+        self.weights = stacked(model)
+
+    def qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, n = h.shape[:2]
+        w = self.weights
+        x = _linear(h, w.qkv[i], w.qkv_bias[i]).view(B, n, -1, self.D)  # (B, n, H + 2 Hkv, D): q, k, v heads
+        rotated = rotate(x[:, :, :self.H + self.Hkv], cos.transpose(1, 2), sin.transpose(1, 2)).transpose(1, 2)
+        return rotated[:, :self.H], rotated[:, self.H:], x[:, :, self.H + self.Hkv:].transpose(1, 2)
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = _linear(h, self.weights.gate_up[i]).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, self.layers[i].mlp.down_proj.weight)
 
 
 class _BlockProducts(_Products):
@@ -99,13 +239,14 @@ class _BlockProducts(_Products):
         """(S, B, N / S) blocks -> (B, 1, N)."""
         return y.transpose(0, 1).reshape(y.shape[1], 1, -1)
 
-    def qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, S, D = h.shape[0], self.S, self.D
         w, bias = self.blocks[i][:2]
         parts = _split_bmm(h.view(B, -1), w, bias).split(self.widths, dim=-1)  # (S, B, heads / S * D) each
         # block-major heads (S, B, heads / S, D) back to (B, heads, 1, D): heads in their own order
         q, k, v = (p.view(S, B, -1, D).permute(1, 0, 2, 3).reshape(B, -1, 1, D) for p in parts)
-        return q, k, v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def out(self, i: int, o: torch.Tensor) -> torch.Tensor:
         w, bias = self.blocks[i][2:4]
@@ -135,6 +276,10 @@ class LeanLlama:
     ``SPLIT_COPY_BYTES``). The default S is the largest divisor of the head counts and widths up to torch's thread
     count, on CPUs only, where it makes decoding faster (with and without ZeRO-3; docs/generation.md).
 
+    On CUDA, where a small batch's step is bound by kernel launches, ``fused`` (the default there) runs each
+    layer's q/k/v as one product and its gate/up as one, over stacked copies of those weights (``_Stacked``, at most
+    ``FUSE_COPY_BYTES``; made with the decoder, shared by a module's live decoders, copied again by ``reset``).
+
     Two one-token steps:
 
     * ``forward`` appends at the cache's end and attends over the filled columns only: the least arithmetic, and
@@ -144,11 +289,17 @@ class LeanLlama:
       builds a plan for each new shape), and it can be compiled or captured as a CUDA graph
       (``dschat.generation.graphs``). On CUDA it is the eager default too.
 
+    The prefill (``forward`` over several tokens) calls SDPA in the form torch's memory-efficient kernel accepts
+    with a mask: key and value heads repeated to the query heads (that kernel takes no grouped-query attention
+    with a mask, and the flash kernel no mask at all) and an additive mask in the activations' dtype, built once
+    per prefill with aligned strides (``additive_mask``). A boolean mask with ``enable_gqa`` leaves CUDA only the
+    math kernel, which builds a float32 score tensor of rows x heads x prompt x width per layer.
+
     One layer loop (``layers``) serves the prefill and both steps; they differ in their linear maps
-    (``_Products``, ``_BlockProducts``) and in how they write and read the cache."""
+    (``_Products``, ``_FusedProducts``, ``_BlockProducts``) and in how they write and read the cache."""
 
     def __init__(self, model: torch.nn.Module, batch: int, total: int, split: int | None = None,
-                 grouped: bool | None = None):
+                 grouped: bool | None = None, fused: bool | None = None):
         self.model = model
         self.inner = model.model
         cfg = model.config
@@ -160,6 +311,9 @@ class LeanLlama:
         self.grouped = model.model.embed_tokens.weight.device.type == "cuda" if grouped is None else grouped
         self.split = split  # None: default_split, decided at the first one-token step (a prefill never needs it)
         self.single = _Products(model, self.D)
+        self.fused = self.default_fused(model) if fused is None else fused
+        # the maps of the prefill and of every one-token step that is not split in blocks
+        self.stepping: _Products = _FusedProducts(model, self.D, self.H, self.Hkv) if self.fused else self.single
         self.blocks: _BlockProducts | None = None  # made at the first one-token step when split > 1
         w = self.inner.embed_tokens.weight
         shape = (batch, self.Hkv, total, self.D)
@@ -228,30 +382,33 @@ class LeanLlama:
             return 1
         return max(s for s in range(1, threads + 1) if all(n % s == 0 for n in widths))
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and weight.dtype == torch.float32:
-            # one kernel, the same float32 arithmetic as HF's RMSNorm (x * rsqrt(mean(x^2) + eps) * weight)
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        h = x.float()  # half precision: HF normalises in float32, casts back, then scales
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(dtype)
-
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): cat(x2, x1) is a roll by half the head
-        # and the minus sits in signed_sin = cat(-sin1, sin2); (-a) * b == -(a * b) exactly, so the bits match
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+    def default_fused(model: torch.nn.Module) -> bool:
+        """Whether a decoder of ``model`` stacks its q/k/v and gate/up weights by default: on CUDA (where each
+        product saved is a kernel launch saved per layer and token) while the copy stays within
+        ``FUSE_COPY_BYTES``; never on a CPU, whose one-token step is bound by reading the weights and splits them in
+        column blocks instead (``default_split``)."""
+        return model.model.embed_tokens.weight.is_cuda and stacked_bytes(model) <= FUSE_COPY_BYTES
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm: ``x`` normalised in float32 (x * rsqrt(mean(x^2) + eps)), cast back to its dtype, times
+        ``weight``. One fused kernel on CUDA in float32 (the weight's product is then float32 too, as in HF); in half
+        precision the normalisation is that kernel and the weight's product a second one, after the cast, which
+        keeps HF's rounding (the fused weighted kernel scales before it casts)."""
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
     def products(self, n: int) -> _Products:
         """The linear maps for ``n`` tokens per row: column blocks for one token when ``split`` > 1 (made at the
-        first such step), else one product per weight."""
+        first such step), else ``stepping`` (stacked q/k/v and gate/up products when ``fused``, else one product
+        per weight)."""
         if n > 1:
-            return self.single
+            return self.stepping
         if self.split is None:
             self.split = self.default_split(self.model)
         if self.split == 1:
-            return self.single
+            return self.stepping
         if self.blocks is None:
             self.blocks = _BlockProducts(self.model, self.D, self.H, self.Hkv, self.split)
         return self.blocks
@@ -259,20 +416,23 @@ class LeanLlama:
     def layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, products: _Products,
                write: Callable[[int, torch.Tensor, torch.Tensor], None],
                attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The decoder layers over ``x`` (B, n, hidden): ``write(i, k, v)`` puts layer i's rotated keys and values
-        in its cache, ``attend(i, q)`` attends over it. Returns the last position's final-norm hidden state."""
+        """The decoder layers over ``x`` (B, n, hidden) at rotary ``cos``, ``sin`` (B, 1, n, D): ``write(i, k, v)``
+        puts layer i's rotated keys and values in its cache, ``attend(i, q)`` attends over it. Returns the last
+        position's final-norm hidden state."""
         B, n = x.shape[:2]
         for i, layer in enumerate(self.inner.layers):
-            q, k, v = products.qkv(i, self._norm(x, layer.input_layernorm.weight))
-            write(i, self._rotate(k, cos, sin), v)
-            o = attend(i, self._rotate(q, cos, sin))
+            q, k, v = products.qkv(i, self._norm(x, layer.input_layernorm.weight), cos, sin)
+            write(i, k, v)
+            o = attend(i, q)
             x = x + products.out(i, o.transpose(1, 2).reshape(B, n, -1))
             x = x + products.mlp(i, self._norm(x, layer.post_attention_layernorm.weight))
         return self._norm(x[:, -1], self.inner.norm.weight)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Run ``ids`` (B, n) at ``positions`` (B, n), appending their keys/values to the cache; ``real`` (B, n)
-        marks non-pad tokens. Returns the last position's logits (B, V) in float32."""
+        marks non-pad tokens. Returns the last position's logits (B, V) in float32. Several tokens (a prefill)
+        attend in the form SDPA's memory-efficient kernel takes (the class docstring says why); one token attends
+        with a boolean mask and ``enable_gqa``, over the cache's heads in place."""
         B, n = ids.shape
         start, end = self.length, self.length + n
         self.keys[:, start:end] = real.bool()
@@ -282,19 +442,24 @@ class LeanLlama:
         x = F.embedding(ids, emb.weight, emb.padding_idx)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (B, 1, n, D)
         mask = self.keys[:, None, None, :end]
+        groups = self.H // self.Hkv
         if n > 1:  # prefill: causal within the new tokens; each query also sees itself (pad rows stay finite)
             causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
             mask = mask.expand(B, 1, n, end).clone()
             mask[..., start:] &= causal
             mask[..., start:] |= torch.eye(n, dtype=torch.bool, device=ids.device)
+            mask = additive_mask(mask, x.dtype)  # once for every layer
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
             self.k[i][:, :, start:end] = k
             self.v[i][:, :, start:end] = v
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
-                                                  enable_gqa=self.H != self.Hkv)
+            k, v = self.k[i][:, :, :end], self.v[i][:, :, :end]
+            if n > 1:
+                return F.scaled_dot_product_attention(q, repeat_heads(k, groups), repeat_heads(v, groups),
+                                                      attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
 
         products = self.products(n)
         last = self.layers(x, cos, sin, products, write, attend)
@@ -302,10 +467,14 @@ class LeanLlama:
         return products.head(last).float()
 
     def reset(self) -> None:
-        """Empty the cache for a new batch of prompts, in place (a captured step keeps reading the same tensors):
-        no column is real any more; what the old columns hold is never read unmasked."""
+        """Make the decoder ready for a new batch of prompts, in place (a captured step keeps reading the same
+        tensors): no cache column is real any more (what the old columns hold is never read unmasked), and the
+        stacked weights of a ``fused`` decoder hold the module's current ones (an optimizer step since the last
+        batch changed those in place)."""
         self.keys.zero_()
         self.length = 0
+        if isinstance(self.stepping, _FusedProducts):
+            self.stepping.weights.refresh()
 
     def adopt(self, other: LeanLlama, rows: torch.Tensor) -> None:
         """Take ``other``'s cache as this one's: row ``r`` gets ``other``'s row ``rows[r]`` (the prompts prefilled
@@ -323,13 +492,15 @@ class LeanLlama:
         column ``column`` (1,), attending over the cache's whole width where ``keys`` (B, total) is True (this
         column included). Returns the logits (B, V) in float32 and the updated ``keys``. Every tensor it makes has
         the same shape at every token, so it compiles to one graph and captures as one CUDA graph; ``products``
-        defaults to one product per weight (the form that compiles)."""
-        products = products or self.single
+        defaults to ``stepping`` (stacked or single products: the forms that compile)."""
+        products = products or self.stepping
         keys = keys.index_fill(1, column, True)
         emb = self.inner.embed_tokens
         x = F.embedding(ids, emb.weight, emb.padding_idx)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, D)
         mask = keys[:, None, None, :]
+        if self.grouped:  # the additive float32 mask once for every layer
+            mask = additive_mask(mask, torch.float32)
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
             self.k[i].index_copy_(2, column, k)
@@ -342,25 +513,26 @@ class LeanLlama:
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Queries ``q`` (B, H, n, D) over the whole cache ``k``, ``v`` (B, Hkv, W, D) where ``mask`` (B, 1, n|1, W)
-        is True: SDPA on a CPU; on CUDA (``grouped``) two batched products and a float32 softmax, each query head
-        reading its group's key head in place (no per-step copy of the cache to H heads, and no choice of SDPA
-        backend that depends on the key length)."""
+        allows (``grouped_attention``'s forms): SDPA on a CPU; on CUDA (``grouped``) two batched products and a
+        float32 softmax, each query head reading its group's key head in place (no per-step copy of the cache to H
+        heads, and no choice of SDPA backend that depends on the key length)."""
         if not self.grouped:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.Hkv)
         return grouped_attention(q, k, v, mask)
 
 
-
-
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Scaled dot-product attention of ``q`` (B, H, n, D) over ``k``, ``v`` (B, Hkv, W, D) where ``mask``
-    (B, 1, n|1, W) is True, with H = G x Hkv query heads: query head h reads key head h // G (the order of
-    transformers' ``repeat_kv``). The scores are float32 for the softmax, the products in the cache's dtype."""
+    (B, 1, n|1, W) allows, with H = G x Hkv query heads: query head h reads key head h // G (the order of
+    transformers' ``repeat_kv``). ``mask`` is boolean (True: attend) or its float32 additive form (0 or -inf; a step
+    makes it once for all its layers). The scores are float32 for the softmax, the products in the cache's dtype;
+    scaling and masking are one kernel (``add`` with ``alpha``: the bits of scaling, then filling)."""
     B, H, n, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
+    bias = mask if mask.is_floating_point() else additive_mask(mask, torch.float32)
+    if n > 1:
+        bias = bias.unsqueeze(2).expand(B, 1, G, n, bias.shape[-1]).reshape(B, 1, G * n, -1)
     qg = q.reshape(B, Hkv, G * n, D)  # (B, Hkv, G*n, D): heads of a group side by side
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * D ** -0.5  # (B, Hkv, G*n, W)
-    m = mask if n == 1 else mask.unsqueeze(2).expand(B, 1, G, n, mask.shape[-1]).reshape(B, 1, G * n, -1)
-    p = scores.masked_fill(~m, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(p, v).reshape(B, H, n, D)
+    scores = torch.add(bias, torch.matmul(qg, k.transpose(-1, -2)), alpha=D ** -0.5)  # (B, Hkv, G*n, W) float32
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(B, H, n, D)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from dschat.config import FULL_TOLERANCE, HALF_TOLERANCE, VLLMArgs
+from dschat.devices import forked_rng
 from dschat.errors import UserError, first_line, stop_hung_process
 from dschat.generation.decode import Generated
 from dschat.models.heads import head_dim
@@ -262,11 +263,8 @@ class VLLMBackend:
             kwargs["kv_cache_memory_bytes"] = self._kv_bytes(config, batch, total)
         if E.world_size() > 1:  # each rank its own engine, inside the launcher's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
-        rng = torch.random.get_rng_state()  # vLLM seeds the global generator; training's draws must not move
-        try:
+        with forked_rng():  # vLLM seeds the global generators (CPU and CUDA); training's draws must not move
             self.llm = LLM(**kwargs)
-        finally:
-            torch.random.set_rng_state(rng)
         atexit.register(self.close)
 
     def _kv_bytes(self, config: Any, batch: int, total: int) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dschat.devices import forked_rng, prefer_attention_kernels
 from dschat.errors import UserError
 from dschat.models.aliases import ALIASES, FAMILY_ALIASES  # noqa: F401 (FAMILY_ALIASES: re-exported)
 from dschat.models.folders import local_model_folder
@@ -84,10 +85,8 @@ def _build_tiny(final: Path) -> None:
         save_tiny_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(tmp)
         config = tiny_model_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-        gen = torch.random.get_rng_state()
-        torch.manual_seed(0)  # the preset's weights are the same everywhere
-        model = LlamaForCausalLM(config)
-        torch.random.set_rng_state(gen)
+        with forked_rng(0):  # the preset's weights are the same everywhere; the caller's streams stay put
+            model = LlamaForCausalLM(config)
         model.save_pretrained(tmp)
         if not (tmp / "config.json").is_file():
             raise _NoWeights  # atomic_dir discards this copy
@@ -333,10 +332,14 @@ def _apply_dropout(config: Any, dropout: float | None) -> None:
 def create_causal_lm(path: str, dtype: torch.dtype = torch.float32, dropout: float | None = None,
                      gradient_checkpointing: bool = False, trust_remote_code: bool = False,
                      lora: LoraArgs | None = None) -> nn.Module:
-    """A HF causal LM; with ``lora`` (``lora_dim`` > 0) PEFT LoRA adapters are injected (``dschat.models.lora``)."""
+    """A HF causal LM; with ``lora`` (``lora_dim`` > 0) PEFT LoRA adapters are injected (``dschat.models.lora``).
+    Every model dschat loads comes through here or ``create_reward_model``, so both apply the process's attention
+    policy (``dschat.devices.prefer_attention_kernels``): the commands that only sample or score never set up a
+    training process group, where it is applied as well."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _quiet_transformers()
+    prefer_attention_kernels()
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         _apply_dropout(config, dropout)
@@ -357,10 +360,12 @@ def create_reward_model(path: str, dtype: torch.dtype = torch.float32, dropout: 
     """A reward/critic model from a causal-LM folder (fresh v_head) or a saved reward model (trained v_head).
 
     With ``lora`` (``lora_dim`` > 0) the backbone gets PEFT LoRA adapters and the v_head stays fully trainable.
+    Applies the attention policy as ``create_causal_lm`` does.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     _quiet_transformers()
+    prefer_attention_kernels()
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except _load_errors() as e:

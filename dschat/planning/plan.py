@@ -7,11 +7,12 @@ imports torch (stage 3's algorithms answer from their specs, ``dschat.rlhf.specs
 
 Phases: stages 1 and 2 have one (``train``: the trained model's micro-batch, and a distillation teacher's
 forward). Stage 3 has ``generate`` (the actor's weights gathered whole under ZeRO-3, as the generation path and
-DeepSpeed's hybrid engine do, plus the KV cache of the generation batch), ``experience`` (the largest of the
-forwards of actor, reference, critic and reward model over the generated rows; they run one after another),
-``train actor`` and ``train critic``. Every model's resident bytes (weights, gradients, optimizer states) count in
-every phase; a phase adds its transient bytes. The peak is the largest phase, plus a fixed reserve for the CUDA
-context, communication buffers and allocator slack.
+DeepSpeed's hybrid engine do, plus the KV cache of the generation batch; with CUDA-graph sampling the capture's
+bucket-sized KV cache and token step, which the hybrid engine releases when the call ends, so no other phase
+counts them), ``experience`` (the largest of the forwards of actor, reference, critic and reward model over the
+generated rows; they run one after another), ``train actor`` and ``train critic``. Every model's resident bytes
+(weights, gradients, optimizer states) count in every phase; a phase adds its transient bytes. The peak is the
+largest phase, plus a fixed reserve for the CUDA context, communication buffers and allocator slack.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ MAX_NODES = 64
 ALLOCATOR_SLACK = 0.25
 # Queries per generate call of a generative judge reward (``dschat.rewards.judge.load_judge_reward``).
 JUDGE_BATCH = 32
+# The CUDA-graph decode step (``dschat.generation.graphs``, which imports torch; tests hold these equal to its own):
+# the model types it runs (``lean_llama.LEAN_MODEL_TYPES``) and the buckets a capture's KV cache is rounded up to.
+GRAPH_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GRAPH_BATCH_BUCKET = 8
+GRAPH_WIDTH_BUCKET = 128
+# The largest copy the decoder's stacked q/k/v and gate/up weights may take on CUDA (``lean_llama.FUSE_COPY_BYTES``).
+FUSE_COPY_BYTES = 4 << 30
 
 
 @dataclass
@@ -448,8 +456,14 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
         gen = Phase("generate")
         if actor.sharding.stage == 3 or actor.sharding.offload:
             gen.items.append(("actor", "weights gathered whole", actor.params * d - actor.states.weights))
-        kv = kv_cache_bytes(actor.shape, gen_rows, seq, d)
-        gen.items.append(("actor", f"KV cache {gen_rows} x {seq} tokens", kv))
+        if samples_through_lean(cfg, actor, dev) and (stacked := stacked_weight_bytes(actor.shape, d)) <= \
+                FUSE_COPY_BYTES:
+            gen.items.append(("actor", "q/k/v and gate/up weights stacked", stacked))
+        if samples_through_graphs(cfg, actor, dev):
+            gen.items += graph_captures(actor.shape, gen_rows, seq, d)
+        else:
+            kv = kv_cache_bytes(actor.shape, gen_rows, seq, d)
+            gen.items.append(("actor", f"KV cache {gen_rows} x {seq} tokens", kv))
         gen.items.append(("actor", "prefill", inference_activations(actor.shape, gen_rows, prompt, d,
                                                                     out_tokens=gen_rows)))
         phases.append(gen)
@@ -519,6 +533,50 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
                 "prompt_len": prompt, "answer_len": answer, "actor_zero_stage": actor_z, "critic_zero_stage": critic_z,
                 "offload": eng.offload, "ranks": ranks}
     return models, phases, tp, settings
+
+
+def samples_through_graphs(cfg: Any, actor: ModelPlan, dev: GPU) -> bool:
+    """Whether stage 3's actor samples through captured CUDA graphs (docs/generation.md): ``--generation-backend
+    graph``, or ``auto`` for a Llama-architecture actor without LoRA; never on a CPU or with DeepSpeed's hybrid
+    engine. The plan does not model vLLM, which ``auto`` takes where it is installed."""
+    name = cfg.rl.generation_backend
+    if dev.host or cfg.rl.enable_hybrid_engine:
+        return False
+    if name == "graph":
+        return True
+    return (name == "auto" and actor.shape.model_type in GRAPH_MODEL_TYPES
+            and not cfg.lora_of("actor").lora_dim)
+
+
+def samples_through_lean(cfg: Any, actor: ModelPlan, dev: GPU) -> bool:
+    """Whether stage 3's actor samples through dschat's own decoder on a GPU (the graph step, or
+    ``--generation-backend dschat`` or ``compiled`` for a Llama-architecture actor), which stacks each layer's
+    q/k/v and gate/up weights for the call."""
+    if dev.host or cfg.rl.enable_hybrid_engine or actor.shape.model_type not in GRAPH_MODEL_TYPES:
+        return False
+    return samples_through_graphs(cfg, actor, dev) or cfg.rl.generation_backend in ("dschat", "compiled")
+
+
+def graph_captures(shape: ModelShape, gen_rows: int, seq: int, d: int) -> list[tuple[str, str, int]]:
+    """The capture a generation call holds (the hybrid engine releases it when the call's generate phase ends,
+    before scoring and training, so the largest call's is the phase's): its KV cache, rows and width rounded up to
+    the buckets, and its token step's working set (one layer's tensors, the attention scores over the whole width
+    in fp32, the logits), which the graph's memory pool keeps."""
+    rows, width = _bucket_up(gen_rows, GRAPH_BATCH_BUCKET), _bucket_up(seq, GRAPH_WIDTH_BUCKET)
+    step = inference_activations(shape, rows, 1, d, out_tokens=rows) + 2 * rows * shape.heads * width * 4
+    return [("actor", f"KV cache {rows} x {width} tokens", kv_cache_bytes(shape, rows, width, d)),
+            ("actor", "CUDA-graph token step", step)]
+
+
+def stacked_weight_bytes(shape: ModelShape, d: int) -> int:
+    """The decoder's stacked copy of every layer's q/k/v and gate/up weights (``lean_llama._Stacked``), which the
+    CUDA decode path reads for the generation call and frees with its decoders."""
+    per_layer = shape.hidden * (shape.q_dim + 2 * shape.kv_dim + 2 * shape.intermediate)
+    return shape.layers * per_layer * d
+
+
+def _bucket_up(n: int, size: int) -> int:
+    return -(-n // size) * size
 
 
 # ------------------------------------------------------------------------------------------------ suggestion

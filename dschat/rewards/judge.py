@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.devices import pick_device, resolve_dtype
+from dschat.devices import forked_rng, pick_device, resolve_dtype, seed_generators
 from dschat.errors import UserError
 from dschat.prompts import (
     ASSISTANT_SUFFIX,
@@ -248,22 +248,21 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     bar = progress_bar(progress, len(prompt_ids), desc)
     was_training = model.training
     model.eval()
-    rng = torch.random.get_rng_state()
     try:
-        for b, idx in enumerate(batches):
-            ids, mask = pad_sequences([prompt_ids[i] for i in idx], tokenizer.pad_token_id, "left")
-            torch.manual_seed(s.seed + b)
-            ids, mask = ids.repeat_interleave(s.votes, 0).to(device), mask.repeat_interleave(s.votes, 0).to(device)
-            with torch.inference_mode():
-                seqs = generate_with(backend, model, ids, mask, gen, tokenizer.eos_token_id,
-                                     tokenizer.pad_token_id).sequences
-            texts, _ = decode_answers(tokenizer, seqs[:, ids.shape[1]:])
-            for j, i in enumerate(idx):
-                out[i] = texts[j * s.votes: (j + 1) * s.votes]
-            if bar is not None:
-                bar.update(len(idx))
+        with forked_rng():  # the caller's CPU and CUDA streams stay where they were
+            for b, idx in enumerate(batches):
+                ids, mask = pad_sequences([prompt_ids[i] for i in idx], tokenizer.pad_token_id, "left")
+                seed_generators(s.seed + b)
+                ids, mask = ids.repeat_interleave(s.votes, 0).to(device), mask.repeat_interleave(s.votes, 0).to(device)
+                with torch.inference_mode():
+                    seqs = generate_with(backend, model, ids, mask, gen, tokenizer.eos_token_id,
+                                         tokenizer.pad_token_id).sequences
+                texts, _ = decode_answers(tokenizer, seqs[:, ids.shape[1]:])
+                for j, i in enumerate(idx):
+                    out[i] = texts[j * s.votes: (j + 1) * s.votes]
+                if bar is not None:
+                    bar.update(len(idx))
     finally:
-        torch.random.set_rng_state(rng)
         if was_training:
             model.train()
         if bar is not None:

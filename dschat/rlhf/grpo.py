@@ -176,6 +176,7 @@ class GRPO(OnPolicy, GRPOSpec):
                 seen.setdefault("reward_baseline", []).append(baselines)
             batch = repeat_prompts(prompts, G)
             rollout, d = generate_rollout(self.hybrid, m.tokenizer, batch, gen, min_answer_len=rl.min_answer_len)
+            self.hybrid.release()  # the generate phase ends: its memory goes back before scoring and training
             gen_time += self.hybrid.last_generate_seconds
             dropped += d
             seen["length"].append(rollout.answer_lengths.float().cpu())

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from dschat import engine as E
 from dschat import losses as L
 from dschat.data.phases import pairs_of
+from dschat.devices import forked_rng
 from dschat.generation.hybrid_engine import HybridEngine
 from dschat.rlhf.dpo import DataCollatorPairs, implicit_eval, implicit_summary, pair_loss, pair_stats
 from dschat.rlhf.ema import ActorEMA, step_actor
@@ -85,6 +86,7 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         m, rl, G = self.models, self.cfg.rl, self.G
         batch = repeat_prompts(to_device(next(stream), E.device()), G)
         rollout, dropped = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen, min_answer_len=rl.min_answer_len)
+        self.hybrid.release()  # the generate phase ends: its memory goes back before scoring and training
         mixed = self.scorer(rollout, batch)
         rewards = mixed.total  # (N,)
         pairs = L.best_worst_pairs(rewards, G, rollout.answer_lengths.cpu() > 0)
@@ -185,10 +187,9 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         initial = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
         # RNG-neutral: iterating a DataLoader draws from the global generator, and training's sampling must not
         # depend on whether this evaluation ran
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         out: dict[str, Any] = {}
         for prefix, sampler in (("sampled", initial), ("onpolicy", self.hybrid)):
-            with torch.random.fork_rng(devices=devices):
+            with forked_rng():
                 accuracy, count = self._sampled_pairs_accuracy(loader, sampler)
             out[f"{prefix}_implicit_accuracy"], out[f"{prefix}_pairs"] = accuracy, count
         return out

@@ -117,6 +117,7 @@ class PPO(OnPolicy, PPOSpec):
         m, p, temp = self.models, self.p, self.cfg.rl.temperature
         rollout, dropped = generate_rollout(self.hybrid, m.tokenizer, batch, self.gen,
                                             min_answer_len=self.cfg.rl.min_answer_len)
+        self.hybrid.release()  # the generate phase ends: its memory goes back before the forwards and training
         # Old log-probs (from the sampling pass when it computed them), reference log-probs and values in eval
         # mode (no dropout), once per experience batch.
         m.actor.eval()

@@ -34,6 +34,7 @@ class ReMax(GRPO, ReMaxSpec):
         """``(P,)``: the reward of each prompt's greedy answer (generated with the actor, no sampling)."""
         greedy, _ = generate_rollout(self.hybrid, self.models.tokenizer, batch, replace(self.gen, do_sample=False),
                                      min_answer_len=0)
+        self.hybrid.release()  # its generate phase ends before scoring and the sampled answers' own
         return scorer(greedy, batch).total
 
     def advantages(self, rewards: torch.Tensor, rollout: Rollout, old: torch.Tensor | None,
