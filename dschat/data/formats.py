@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dschat.agents.calls import CALL_CLOSE, CALL_OPEN
 from dschat.data.sources import WHERE
 from dschat.errors import UserError
 from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, inject_system_prompt
@@ -143,7 +144,8 @@ def _messages(row: dict[str, Any], value: Any, name: str) -> Messages:
 
 def _check_role(m: dict[str, Any], before: Messages, where: str) -> None:
     """A message's role is one the chat templates know, only an assistant message calls tools, and a ``tool``
-    message answers a call: it follows an assistant message with ``tool_calls`` (or another answer to them)."""
+    message answers a call: it follows an assistant message that made one (``tool_calls``, or a call written in
+    its text), or another answer to it."""
     role = m["role"]
     if role == "function":
         raise UserError(f"{where}: role 'function' (the old OpenAI function result) is not supported: give it role "
@@ -154,9 +156,9 @@ def _check_role(m: dict[str, Any], before: Messages, where: str) -> None:
         raise UserError(f"{where}: 'tool_calls' on a {role!r} message (only assistant messages call tools)")
     if role == "tool":
         last = next((b for b in reversed(before) if b["role"] != "tool"), None)
-        if last is None or last["role"] != "assistant" or not last.get("tool_calls"):
+        if last is None or last["role"] != "assistant" or not (last.get("tool_calls") or CALL_CLOSE in last["content"]):
             raise UserError(f"{where}: a 'tool' message must follow an assistant message that made a tool call "
-                            "('tool_calls')")
+                            f"('tool_calls', or {CALL_OPEN}...{CALL_CLOSE} in its text)")
 
 
 def _depth(value: Any, limit: int) -> int:

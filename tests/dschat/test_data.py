@@ -392,6 +392,13 @@ def test_malformed_tool_traces_are_refused_naming_the_row_and_message(messages, 
     assert str(e.value).startswith("traces.jsonl:7: field 'messages' message ") and says in str(e.value), e.value
 
 
+def test_a_call_written_in_the_answer_s_text_is_answered_by_a_tool_message():
+    ex = parse_row(_trace({"role": "assistant", "content": "<tool_call>calculator(1+2)</tool_call>"},
+                          {"role": "tool", "name": "calculator", "content": "3"},
+                          {"role": "assistant", "content": "<answer>3</answer>"}), "sft")
+    assert ex.prompt[-1] == {"role": "tool", "name": "calculator", "content": "3"}
+
+
 def test_tool_calls_on_a_user_message_are_refused():
     row = {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "a", "arguments": {}}}]},
                         {"role": "assistant", "content": "x"}], WHERE: "t.jsonl:1"}
