@@ -1,5 +1,7 @@
-"""Load test of ``dschat serve`` on 127.0.0.1: concurrent clients posting ``/score`` for a bounded time, then a
-burst past the queue bound. Run by hand; the figures go to docs/serving.md with the commit and machine.
+"""Load test of ``dschat serve`` on 127.0.0.1: concurrent clients posting ``/score`` for a bounded time; then a
+small request's latency while four bodies of 8 MB over ``--max-request-tokens`` are parsed (their senders waiting
+for the 413, then leaving early); then a burst of connections past ``--max-connections``. Run by hand; the
+figures go to docs/serving.md with the commit and machine.
 
     python benchmarks/serve_load.py --reward-model out/step2/model --clients 16 --seconds 60
     python benchmarks/serve_load.py --url http://127.0.0.1:8000/score --clients 16 --seconds 60   (a running server)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,12 +108,101 @@ def run_load(url: str, clients: int = 16, seconds: float = 60.0, rows: int = 8, 
             "p99_ms": round(pct(0.99), 1), "mean_ms": round(statistics.fmean(lat) * 1000, 1) if lat else None}
 
 
+def status_of(url: str, body: dict[str, Any], timeout: float = 120) -> str:
+    """The HTTP status of a POST as text, or ``none`` when the connection ended without one."""
+    try:
+        return str(post(url, body, timeout)[0])
+    except (OSError, ValueError):
+        return "none"
+
+
 def burst(url: str, requests: int, rows: int) -> dict[str, int]:
-    """``requests`` posted at once (past the queue bound): how many were answered 200 and 429, and anything else."""
+    """``requests`` posted at once (past the queue bound and the connection bound): how many got each status,
+    ``none`` counting connections closed with no status at all."""
     with ThreadPoolExecutor(requests) as pool:
-        codes = list(pool.map(lambda k: post(url, request_rows(k, rows))[0], range(requests)))
-    return {"200": codes.count(200), "429": codes.count(429), "other": len(codes) - codes.count(200) -
-            codes.count(429)}
+        codes = list(pool.map(lambda k: status_of(url, request_rows(k, rows)), range(requests)))
+    return {code: codes.count(code) for code in sorted(set(codes))}
+
+
+def overcap_body(max_body_bytes: int = 8_000_000, rows: int = 1024) -> bytes:
+    """A body just under ``max_body_bytes`` of ``rows`` long prompts: within the body and row bounds, far over the
+    default ``--max-request-tokens`` (each row is cut to ``--max-seq-len``: 1024 x 512 tokens)."""
+    per_row = (max_body_bytes - 200) // rows - 40
+    text = (" ".join(WORDS) + " ") * (per_row // (len(" ".join(WORDS)) + 1) + 1)
+    body = {"prompts": ["Human: " + text[:per_row - 20] + "\nAssistant:"] * rows, "completions": [" ok"] * rows}
+    raw = json.dumps(body).encode()
+    assert len(raw) <= max_body_bytes, len(raw)
+    return raw
+
+
+def send_raw(url: str, raw: bytes, leave_after: float | None, timeout: float = 300) -> str:
+    """POST ``raw``; read the status line, or (``leave_after``) close the connection that many seconds after
+    sending, without reading."""
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        if leave_after is not None:
+            time.sleep(leave_after)
+            return "left"
+        head = sock.recv(64)
+    return head[9:12].decode() if head.startswith(b"HTTP/1.1 ") else "none"
+
+
+def small_latency_during(url: str, rows: int, work: Any, settle: float = 0.0) -> dict[str, Any]:
+    """A small request posted over and over (one at a time) while ``work()`` runs, and ``settle`` seconds after:
+    the latency percentiles, and what ``work`` returned."""
+    lat: list[float] = []
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        k = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                status, _ = post(url, request_rows(k % 32, rows), timeout=60)
+            except OSError:
+                status = -1
+            lat.append(time.perf_counter() - t0)
+            codes.append(status)
+            k += 1
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    t0 = time.perf_counter()
+    result = work()
+    took = time.perf_counter() - t0
+    time.sleep(settle)
+    stop.set()
+    prober.join(120)
+    ordered = sorted(lat)
+
+    def pct(p: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000, 1) if ordered else float("nan")
+
+    return {"work_s": round(took, 1), "result": result, "small_requests": len(lat),
+            "small_not_200": sum(c != 200 for c in codes), "small_p50_ms": pct(0.5), "small_p99_ms": pct(0.99),
+            "small_max_ms": round(max(lat) * 1000, 1) if lat else None}
+
+
+def overcap(url: str, bodies: int = 4, rows: int = 8, leave_after: float = 1.0,
+            settle: float = 5.0) -> dict[str, Any]:
+    """``bodies`` over-cap 8 MB requests at once, twice: first their senders wait for their answers (413), then
+    they leave ``leave_after`` seconds after sending; a small request's latency meanwhile (and ``settle`` seconds
+    after the second round, while nothing is left to do: the parsing of a sender that left stops)."""
+    raw = overcap_body()
+
+    def round_of(leave: float | None) -> Any:
+        def work() -> list[str]:
+            with ThreadPoolExecutor(bodies) as pool:
+                return list(pool.map(lambda _: send_raw(url, raw, leave), range(bodies)))
+        return work
+
+    return {"body_bytes": len(raw),
+            "senders_wait": small_latency_during(url, rows, round_of(None)),
+            "senders_leave": small_latency_during(url, rows, round_of(leave_after), settle)}
 
 
 def rss_mib(pid: int) -> float:
@@ -129,7 +221,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--rows", type=int, default=8, help="completions per request")
     ap.add_argument("--max-requests", type=int, default=100_000)
-    ap.add_argument("--max-queue", type=int, default=32, help="the started server's --max-queue (burst: 4x this)")
+    ap.add_argument("--max-queue", type=int, default=32, help="the started server's --max-queue")
+    ap.add_argument("--burst", type=int, default=150, help="requests posted at once at the end")
+    ap.add_argument("--overcap", type=int, default=4, help="over-cap 8 MB bodies at once (0: skip that part)")
     ap.add_argument("--port", type=int, default=8765)
     args = ap.parse_args()
     proc = None
@@ -173,7 +267,9 @@ def main() -> None:
             tenth = max(1, len(samples) // 10)
             report["rss_mib_first_10pct"] = round(statistics.fmean(samples[:tenth]), 1)
             report["rss_mib_last_10pct"] = round(statistics.fmean(samples[-tenth:]), 1)
-        report["burst"] = burst(url, 4 * args.max_queue + 16, args.rows)
+        if args.overcap:
+            report["overcap"] = overcap(url, args.overcap, args.rows)
+        report["burst"] = burst(url, args.burst, args.rows)
         report["alive_after_burst"] = post(url, request_rows(0, args.rows))[0] == 200
         print(json.dumps(report, indent=1))
     finally:

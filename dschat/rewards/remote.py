@@ -48,23 +48,59 @@ def is_remote(name: str) -> bool:
     return name.startswith(SCHEMES)
 
 
+def check_url(url: str) -> None:
+    """A reward server's address as ``--reward-funcs`` gives it, checked before anything loads: http(s), a host,
+    a port in 1..65535, no space or control character; else one line (``UserError``)."""
+    if not is_remote(url):
+        raise UserError(f"reward server {url!r}: the address must start with http:// or https://")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise UserError(f"reward server {url!r}: the address holds a space or a control character")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port out of range or not a number, a bad IPv6 literal
+        raise UserError(f"reward server {url!r}: not a valid address ({first_line(e, 100)})") from None
+    if not parts.hostname:
+        raise UserError(f"reward server {url!r}: the address names no host")
+    if port == 0:
+        raise UserError(f"reward server {url!r}: port 0 is not a port a server listens on")
+
+
+def check_token(token: str, where: str) -> str:
+    """A bearer token, surrounding whitespace (a file's CRLF, ``$(cat file)``'s ``\\r``) removed; one line
+    naming ``where`` it came from, never the token, when it holds a character an HTTP header cannot carry."""
+    token = token.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+        raise UserError(f"{where}: the token holds a line break or another control character; a bearer token is "
+                        "one line of printable characters")
+    try:
+        token.encode("latin-1")
+    except UnicodeEncodeError:
+        raise UserError(f"{where}: the token holds a character an HTTP header cannot carry (outside Latin-1)") \
+            from None
+    return token
+
+
 def read_token_file(path: str, flag: str) -> str:
     """The first line of the token file ``path`` (given as ``flag``): a bearer token, never logged."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             token = fh.readline().strip()
-    except OSError as e:
-        raise UserError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise UserError(f"{flag} {path}: cannot read it ({why})") from None
     if not token:
         raise UserError(f"{flag} {path}: the file is empty")
-    return token
+    return check_token(token, f"{flag} {path}")
 
 
 def read_token(token_file: str = "") -> str | None:
-    """The bearer token: the first line of ``token_file``, else ``$DSCHAT_REWARD_TOKEN``, else None."""
+    """The bearer token: the first line of ``token_file``, else ``$DSCHAT_REWARD_TOKEN`` (surrounding whitespace
+    removed in both), else None."""
     if token_file:
         return read_token_file(token_file, "--reward-token-file")
-    return os.environ.get(TOKEN_ENV) or None
+    value = os.environ.get(TOKEN_ENV, "")
+    return check_token(value, f"${TOKEN_ENV}") or None if value.strip() else None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -96,9 +132,10 @@ class RemoteReward:
 
     def __init__(self, url: str, settings: RemoteSettings | None = None,
                  sleep: Callable[[float], None] = time.sleep):
-        if not is_remote(url):
-            raise UserError(f"reward server {url!r}: the address must start with http:// or https://")
+        check_url(url)
         self.url, self.s, self.sleep = url, settings or RemoteSettings(), sleep
+        if self.s.token is not None:
+            self.s.token = check_token(self.s.token, f"reward server {url}") or None
         self.base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
         self.fingerprint: str | None = None  # of the caller's tokenizer (``bind_tokenizer``)
         self._server_info: dict[str, Any] | None = None
@@ -291,7 +328,10 @@ def _exchange(url: str, method: str, data: bytes | None, headers: dict[str, str]
         sock = conn.sock
         conn.sock = _DeadlineSocket(sock, deadline)  # type: ignore[assignment]
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        conn.request(method, target, body=data, headers=headers)
+        try:
+            conn.request(method, target, body=data, headers=headers)
+        except (ValueError, http.client.InvalidURL):  # its message quotes the value: the token, maybe
+            raise UserError(f"reward server {url}: a request header or the address is not valid HTTP") from None
         resp = conn.getresponse()
         declared = (resp.getheader("Content-Length") or "").strip()
         if declared.isdigit():

@@ -32,7 +32,7 @@ from dschat.config import (
 )
 from dschat.errors import UserError
 from dschat.rewards.names import JUDGE, RM, reward_sources
-from dschat.rewards.remote import is_remote
+from dschat.rewards.remote import check_url, is_remote
 from dschat.rlhf.algorithms import ALGORITHMS, OWNED_GROUPS
 from dschat.rlhf.specs import DPOArgs, GRPOArgs, PPOArgs, RLOOArgs
 
@@ -318,6 +318,9 @@ def check_reward_models(names: list[str], rewards: RewardArgs) -> None:
         raise UserError("reward function 'rm' needs --reward-model (a step-2 output)")
     if JUDGE in names and not rewards.judge_model:
         raise UserError("reward function 'judge' needs --judge-model (a trained generative judge)")
+    for name in names:
+        if is_remote(name):
+            check_url(name)  # a malformed address stops here, not at the first request after the models load
 
 
 def check_reward_data(names: list[str], rows: list[dict[str, Any]]) -> None:

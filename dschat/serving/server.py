@@ -8,9 +8,10 @@ limits and deadlines, the queue bound and a graceful shutdown (docs/serving.md).
 
 The sources load in a thread after the server starts, so ``/health`` answers 503 meanwhile; when loading fails,
 the server stops and ``serve`` ends with the error. A request's body is read under ``--body-timeout`` and parsed,
-checked and tokenised in one thread beside the event loop (the tokenizer is not shared between threads), so a
-large body never stalls the other connections. One worker thread scores (``Batcher``). A request whose client
-disconnects is dropped from the batcher. uvicorn's shutdown waits for the requests in flight, then the worker
+checked and tokenised beside the event loop, in bounded steps taken in turn with the other requests'
+(``parser.Parser``), so a large body never stalls the other connections nor the small requests. One worker thread
+scores (``Batcher``). A request whose client disconnects is dropped from the stage it is in, with one line in the
+log. uvicorn's shutdown waits for the requests in flight, then the worker
 finishes every queued job before the process ends. The connections themselves are capped and timed by
 ``guard.ConnectionGuard``.
 """
@@ -18,19 +19,22 @@ finishes every queued job before the process ends. The connections themselves ar
 # No ``from __future__ import annotations``: FastAPI reads the endpoints' annotations (``Request``, imported inside
 # ``create_app`` so that this module imports without the extra) as objects.
 import asyncio
+import errno
 import hmac
+import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
 
 from dschat.config import ServeArgs
 from dschat.errors import UserError, first_line
 from dschat.rewards.remote import read_token_file
-from dschat.serving.batcher import Batcher, ClientGone, Job, QueueFull
+from dschat.serving.batcher import Batcher, ClientGone, QueueFull
 from dschat.serving.guard import MAX_HEADER_BYTES, ConnectionGuard
-from dschat.serving.service import BadRequest, RewardService, parse_body, parse_openrlhf_request, parse_score_request
+from dschat.serving.parser import Parser
+from dschat.serving.service import BadRequest, RewardService
 
 
 def require_serve_extra() -> None:
@@ -54,6 +58,7 @@ class State:
         self.limits = limits
         self.service: RewardService | None = None
         self.batcher: Batcher | None = None
+        self.parser: Parser | None = None
         self.error: str | None = None
         self.stop: Callable[[], None] | None = None
         self.guard: ConnectionGuard | None = None
@@ -80,8 +85,6 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
     from fastapi.responses import JSONResponse
 
     state = State(limits)
-    # one thread parses, renders and tokenises the bodies: off the event loop, and one tokenizer call at a time
-    parser = ThreadPoolExecutor(1, thread_name_prefix="dschat-serve-parse")
 
     def load_now() -> None:
         try:
@@ -93,6 +96,7 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
                 state.stop()
             return
         state.batcher = Batcher(service.score_rows, service.finish, limits.max_batch_tokens, limits.max_queue)
+        state.parser = Parser(service.tokenizer, limits.max_queue)
         state.service = service
         log("ready")
 
@@ -100,7 +104,8 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
     async def lifespan(app: Any) -> Any:
         threading.Thread(target=load_now, name="dschat-serve-load", daemon=True).start()
         yield
-        parser.shutdown(wait=False, cancel_futures=True)
+        if state.parser is not None:
+            state.parser.close(10)
         if state.batcher is not None:  # uvicorn has waited for the requests in flight; finish what is queued
             await asyncio.to_thread(state.batcher.close, True)
             b = state.batcher
@@ -142,44 +147,51 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
             raise BadRequest(408, f"the body took over {limits.body_timeout:g} s (--body-timeout)") from None
         return bytes(raw)
 
-    def prepare(service: RewardService, raw: bytes, openrlhf: bool) -> Job:
-        body = parse_body(raw)
-        req = parse_openrlhf_request(body, limits.max_request_rows) if openrlhf else \
-            parse_score_request(body, service.tokenizer, limits.max_request_rows)
-        return service.job(req, openrlhf)
-
     async def until_disconnected(request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def scored(request: Request, batcher: Batcher, job: Job) -> Any:
-        """The job's answer, or None when the client went away first (the job is then dropped)."""
-        answer = asyncio.wrap_future(job.future)
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not answer.done():
-            job.cancel()
-            answer.cancel()
-            return None
-        return answer.result()
+    async def outcome(future: Future, gone: asyncio.Future) -> tuple[bool, Any]:
+        """``(True, result)`` of a stage's future (its exception raised), or ``(False, None)`` when the client
+        went away first. The stage's own future is never cancelled from here: the stage drops the work."""
+        waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, so never "never retrieved"
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():
+            return True, waiting.result()
+        return False, None
+
+    def client_gone(stage: str, rows: int | None = None) -> Any:
+        log(f"client disconnected {stage}; its request{f' of {rows} row(s)' if rows is not None else ''} was "
+            "dropped (499)")
+        return error(499, "the client disconnected")
 
     async def score(request: Request, openrlhf: bool) -> Any:
         if (denied := unauthorized(request)) is not None:
             return denied
         if not is_json(request.headers.get("content-type")):
             return error(415, "the body must be JSON (Content-Type: application/json)")
-        service, batcher = state.service, state.batcher
-        if service is None or batcher is None:
+        service, batcher, parser = state.service, state.batcher, state.parser
+        if service is None or batcher is None or parser is None:
             return error(503, "loading failed" if state.error else "loading")
+        gone: asyncio.Future | None = None
         try:
-            raw = await read_body(request)
-            job = await asyncio.get_running_loop().run_in_executor(parser, prepare, service, raw, openrlhf)
+            try:
+                raw = await read_body(request)
+            except ClientGone:
+                return client_gone("while sending its body")
+            task = parser.submit(lambda tok: service.prepare(raw, openrlhf, tok), len(raw))
+            gone = asyncio.ensure_future(until_disconnected(request))
+            ready, job = await outcome(task.future, gone)
+            if not ready:
+                task.cancel()
+                return client_gone("while its body was parsed")
             batcher.submit(job)
-            answer = await scored(request, batcher, job)
-            return error(499, "the client disconnected") if answer is None else answer
+            ready, answer = await outcome(job.future, gone)
+            if not ready:
+                job.cancel()
+                return client_gone("while it waited or was scored", len(job.payload["request"].completions))
+            return answer
         except BadRequest as e:
             return error(e.status, e.reason, close=e.status in (408, 413))
         except QueueFull as e:
@@ -191,6 +203,9 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
         except Exception as e:  # noqa: BLE001 - one line to the client and the log, the server lives on
             log(f"scoring failed: {type(e).__name__}: {first_line(e)}")
             return error(500, f"{type(e).__name__}: {first_line(e)}")
+        finally:
+            if gone is not None:
+                gone.cancel()
 
     @app.post("/score")
     async def score_endpoint(request: Request) -> Any:
@@ -216,7 +231,7 @@ def create_app(limits: ServeArgs, load: Callable[[], RewardService], token: str 
         return {**state.service.info, "max_connections": limits.max_connections,
                 "header_timeout": limits.header_timeout, "body_timeout": limits.body_timeout,
                 "queued": batcher.queued() if batcher else 0, "batches": batcher.batches if batcher else 0,
-                "dropped": batcher.dropped if batcher else 0}
+                "dropped": (batcher.dropped if batcher else 0) + (state.parser.dropped if state.parser else 0)}
 
     return app
 
@@ -243,10 +258,32 @@ def uvicorn_server(app: Any, host: str, port: int, log_level: str = "warning") -
     return server
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port``, or one line naming the port (a ``UserError``, exit 2): in use, not
+    allowed, or an address this machine does not have. Bound before anything loads, so ``serve`` says it listens
+    only once it does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except socket.gaierror as e:
+        raise UserError(f"dschat serve: cannot listen on {host} (--host): {e.strerror}") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"dschat serve: port {port} on {host} is in use (--port); stop what holds it or pick "
+                            "another port") from None
+        if e.errno == errno.EACCES:
+            raise UserError(f"dschat serve: no permission to listen on port {port} (--port); ports below 1024 need "
+                            "privileges") from None
+        raise UserError(f"dschat serve: cannot listen on {host}:{port} (--host, --port): "
+                        f"{e.strerror or first_line(e)}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(cfg: Any) -> None:
     """Run the server of a ``ServeConfig`` until Ctrl-C or SIGTERM: then it finishes what is in flight, and uvicorn
     raises the signal again once it has stopped (a Ctrl-C exits 130, a SIGTERM as terminated by it). Sources
-    that fail to load end it with their one-line error (exit 2)."""
+    that fail to load end it with their one-line error (exit 2), as does a port it cannot listen on."""
     require_serve_extra()
 
     from dschat.serving.service import load_service, source_names
@@ -258,10 +295,11 @@ def serve(cfg: Any) -> None:
     def log(msg: str) -> None:
         print(f"[dschat serve] {msg}", flush=True)
 
+    sock = listen_socket(s.host, s.port)  # before anything loads, and before saying it listens
     app = create_app(s, lambda: load_service(cfg, log), token, log)
     server = uvicorn_server(app, s.host, s.port)
     log(f"listening on http://{s.host}:{s.port} (POST /score, POST /get_reward, GET /health, GET /info)"
         + ("; bearer token required" if token else ""))
-    server.run()
+    server.run(sockets=[sock])
     if app.state.dschat.error is not None:
         raise UserError(f"dschat serve: loading the reward sources failed: {app.state.dschat.error}")

@@ -9,8 +9,11 @@ score equals the in-process one bit for bit on the same inputs (docs/serving.md,
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import re
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +44,45 @@ RESERVED_FIELDS = ("answer", "prompts", "completions", "completion_lengths", "re
 MAX_DEPTH = 64  # JSON nesting a request may use; the request shapes need 5
 
 
+def reserved_fields(funcs: dict[str, Any]) -> tuple[str, ...]:
+    """The names ``fields`` may not use: ``RESERVED_FIELDS``, the parameters of ``RewardMixer.__call__`` (which
+    receives the fields as keywords) and the first two parameters of every served function (its prompts and
+    completions, passed by position: a field of that name would be a second value for it)."""
+    names = list(RESERVED_FIELDS)
+    signatures = [inspect.signature(RewardMixer.__call__)]
+    for fn in funcs.values():
+        try:
+            signatures.append(inspect.signature(fn))
+        except (TypeError, ValueError):  # a callable without a signature Python can read
+            continue
+    for i, sig in enumerate(signatures):
+        positional = [p.name for p in sig.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        named = [p.name for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD] if i == 0 else \
+            positional[:2]
+        names += [n for n in named if n not in names]
+    return tuple(names)
+
+
 def _no_constant(name: str) -> Any:
     raise BadRequest(422, f"the body holds {name}, which is not JSON (send finite numbers)")
 
 
 def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a one-line 422 (``parse_body_steps`` in one go)."""
+    steps = parse_body_steps(raw)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def parse_body_steps(raw: bytes) -> Generator[None, None, Any]:
     """A request body as JSON, or a one-line 422: not UTF-8, not JSON, nested deeper than ``MAX_DEPTH``, a number
     of more digits than Python converts (4300), a ``NaN``/``Infinity`` literal, or a text holding a lone surrogate
-    (``\\ud800``, which no tokenizer encodes)."""
+    (``\\ud800``, which no tokenizer encodes). A generator: it yields between bounded steps of the walk over the
+    parsed values, and returns the body."""
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as e:
@@ -59,29 +93,69 @@ def parse_body(raw: bytes) -> Any:
         raise BadRequest(422, f"the body is not JSON ({e.msg}, line {e.lineno} column {e.colno})") from None
     except ValueError as e:  # an integer past the digit limit of int(str)
         raise BadRequest(422, f"the body holds a number Python refuses to convert ({first_line(e, 80)})") from None
-    _check_values(body)
+    yield
+    # valid UTF-8 holds no surrogate: a lone one can only come from a \\uD800-\\uDFFF escape
+    yield from _check_values(body, texts=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
 
 
-def _check_values(body: Any) -> None:
-    """Depth and texts of a parsed body, iteratively (a deep body must not recurse here either)."""
-    stack: list[tuple[Any, int, str]] = [(body, 1, "the body")]
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_CONTAINERS = {dict, list}
+WALK_STEP = 200_000  # values the walk visits between two yields
+ENCODE_CHUNK_CHARS = 32_768  # characters of text encoded between two yields (at least one row)
+
+
+def _where(path: Any) -> str:
+    """``prompts[3]``, ``messages[0][1].content``: where a value sits (``path``: ``(parent, key)`` links)."""
+    keys: list[Any] = []
+    while path is not None:
+        path, key = path
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else f".{key}" if out else str(key)
+    return out or "the body"
+
+
+def _check_text(text: str, path: Any) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(422, f"{_where(path)}: a text holds a lone surrogate ({text[e.start]!a}); send valid "
+                              "Unicode") from None
+
+
+def _check_values(body: Any, texts: bool = True) -> Iterator[None]:
+    """Depth (and, with ``texts``, the texts) of a parsed body, iteratively (a deep body must not recurse here
+    either), yielding every ``WALK_STEP`` values. Only containers are stacked, a large one of scalars is skipped
+    in one pass in C, and a location is spelt out only for an error."""
+    if not isinstance(body, dict | list):
+        if texts and isinstance(body, str):
+            _check_text(body, None)
+        return
+    stack: list[tuple[Any, int, Any]] = [(body, 1, None)]
+    budget = WALK_STEP
     while stack:
-        value, depth, where = stack.pop()
-        if depth > MAX_DEPTH:
+        if budget <= 0:
+            budget = WALK_STEP
+            yield
+        value, depth, path = stack.pop()
+        if value and depth >= MAX_DEPTH:  # its items would sit past the limit
             raise BadRequest(422, f"the body is nested too deep (at most {MAX_DEPTH} levels)")
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise BadRequest(422, f"{where}: a text holds a lone surrogate ({value[e.start]!a}); send valid "
-                                      "Unicode") from None
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                stack.append((k, depth + 1, where))
-                stack.append((v, depth + 1, k if where == "the body" else f"{where}.{k}"))
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value))
+        is_dict = type(value) is dict
+        budget -= len(value) + 1
+        if len(value) > 16:
+            kinds = set(map(type, value.values() if is_dict else value))
+            if not (kinds & _CONTAINERS or texts and (str in kinds or is_dict)):
+                continue  # numbers, booleans and nulls only, or texts that need no check
+        for key, item in value.items() if is_dict else enumerate(value):
+            if texts and is_dict:
+                _check_text(key, path)
+            kind = type(item)
+            if kind is dict or kind is list:
+                stack.append((item, depth + 1, (path, key)))
+            elif texts and kind is str:
+                _check_text(item, (path, key))
 
 
 @dataclass
@@ -115,12 +189,13 @@ def _messages_text(tokenizer: Any, messages: Any, where: str) -> str:
     return render_prompt(messages, tokenizer)
 
 
-def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreRequest:
+def parse_score_request(body: Any, tokenizer: Any, max_rows: int,
+                        reserved: tuple[str, ...] = RESERVED_FIELDS) -> ScoreRequest:
     """``POST /score``'s body: ``{"prompts": [...], "completions": [...]}`` (prompts as text or chat messages),
     or ``{"messages": [[...], ...]}`` (each a conversation whose last message is the assistant's answer);
     optional ``ended`` (did each answer reach EOS; default true), ``answers`` (reference answers, for the judge
     and rule sources), ``input_ids`` (the rows as token ids of the server's tokenizer, see ``/info``) and
-    ``fields`` (other row fields, by name, for user functions)."""
+    ``fields`` (other row fields, by name, for user functions; none of the ``reserved`` names)."""
     if not isinstance(body, dict):
         raise BadRequest(422, "the body must be a JSON object")
     key = "messages" if "messages" in body else "completions"
@@ -162,10 +237,11 @@ def parse_score_request(body: Any, tokenizer: Any, max_rows: int) -> ScoreReques
     fields = body.get("fields") or {}
     if not isinstance(fields, dict) or not all(isinstance(v, list) and len(v) == n for v in fields.values()):
         raise BadRequest(422, f"'fields' must map names to lists of {n} entries")
-    taken = [k for k in fields if k in RESERVED_FIELDS]
+    taken = [k for k in fields if k in reserved]
     if taken:
-        raise BadRequest(422, f"'fields' may not set {taken[0]!r}: the server sets it ({', '.join(RESERVED_FIELDS)} "
-                              "are reserved; send 'answers' and 'ended' instead)")
+        raise BadRequest(422, f"'fields' may not set {taken[0]!r}: the server sets it or a reward function takes it "
+                              f"as an argument (reserved: {', '.join(reserved)}; send 'answers' and 'ended' as "
+                              "such)")
     return ScoreRequest(prompts, completions, ended, answers, ids, fields)
 
 
@@ -203,27 +279,84 @@ class RewardService:
                      "max_body_bytes": limits.max_body_bytes, "max_queue": limits.max_queue, **info}
         if tokenizer is not None and reward_model is not None:
             self.info["tokenizer"] = tokenizer_fingerprint(tokenizer)
+        self.reserved = reserved_fields(funcs)  # names 'fields' may not use
 
     # ------------------------------------------------------------------------------------------- rows
-    def rows(self, req: ScoreRequest) -> list[list[int]]:
-        """The reward model's token rows of a request (none without a reward model)."""
-        if self.reward_model is None:
-            return []
-        from dschat.rlhf.scoring import encode_for_reward
+    def prepare(self, raw: bytes, openrlhf: bool = False, tokenizer: Any | None = None) -> Generator[None, None, Job]:
+        """The batcher's job of a request body, in bounded steps: a generator that yields between them (the JSON
+        walk, the request's shape, each chunk of rows encoded) and returns the job. ``tokenizer``: the copy of the
+        reward model's tokenizer this thread uses (default: the service's). Stopping it between steps (a client
+        that left) leaves no work behind."""
+        body = yield from parse_body_steps(raw)
+        max_rows = self.limits.max_request_rows
+        req = parse_openrlhf_request(body, max_rows) if openrlhf else \
+            parse_score_request(body, tokenizer if tokenizer is not None else self.tokenizer, max_rows, self.reserved)
+        yield
+        rows, widths = yield from self.encode(req, tokenizer)
+        return Job(rows, {"request": req, "openrlhf": openrlhf}, widths)
 
+    def job(self, req: ScoreRequest, openrlhf: bool = False) -> Job:
+        """The batcher's job of a parsed request, in one go (``encode``)."""
+        steps = self.encode(req)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                rows, widths = done.value
+                return Job(rows, {"request": req, "openrlhf": openrlhf}, widths)
+
+    def encode(self, req: ScoreRequest, tokenizer: Any | None = None) -> Generator[None, None, tuple[list, list]]:
+        """The reward model's token rows of a request and their padded widths (none without a reward model), or
+        413 once they cost more than ``--max-request-tokens`` padded tokens. Token ids are counted before they are
+        checked; text is encoded a chunk of rows at a time (``ENCODE_CHUNK_CHARS``) with a running total, so a
+        request over the bound stops at the chunk that crosses it, and the generator yields after each chunk."""
+        from dschat.rlhf.scoring import score_width
+
+        if self.reward_model is None:
+            return [], []
+        cap, max_len = self.limits.max_request_tokens, self.limits.max_seq_len
         if req.input_ids is not None:
+            widths = [score_width(len(r)) for r in req.input_ids]
+            self._check_cost(sum(widths))
             for i, row in enumerate(req.input_ids):
-                if len(row) > self.limits.max_seq_len:
-                    raise BadRequest(422, f"input_ids[{i}] has {len(row)} tokens; at most {self.limits.max_seq_len} "
-                                          "(--max-seq-len)")
+                if len(row) > max_len:
+                    raise BadRequest(422, f"input_ids[{i}] has {len(row)} tokens; at most {max_len} (--max-seq-len)")
                 if min(row) < 0 or max(row) >= self.vocab:
                     raise BadRequest(422, f"input_ids[{i}] holds an id outside the vocabulary [0, {self.vocab})")
-            return req.input_ids
-        rows, _ = encode_for_reward(req.prompts, req.completions, req.ended, self.tokenizer, self.limits.max_seq_len)
-        empty = [i for i, r in enumerate(rows) if not r]
-        if empty:
-            raise BadRequest(422, f"row {empty[0]} encodes to no tokens (empty prompt and answer)")
-        return rows
+            return req.input_ids, widths
+        n = len(req.completions)
+        self._check_cost(n * score_width(1), f"cost at least {n * score_width(1)} padded tokens ({score_width(1)} "
+                         "a row)")  # before any row is encoded
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        rows: list[list[int]] = []
+        widths: list[int] = []
+        cost = start = 0
+        while start < n:
+            end, chars = start, 0
+            while end < n and (end == start or chars < ENCODE_CHUNK_CHARS):
+                chars += len(req.prompts[end]) + len(req.completions[end])
+                end += 1
+            chunk = self.encode_rows(req.prompts[start:end], req.completions[start:end], req.ended[start:end], tok)
+            for i, row in enumerate(chunk, start):
+                if not row:
+                    raise BadRequest(422, f"row {i} encodes to no tokens (empty prompt and answer)")
+            rows += chunk
+            widths += [score_width(len(r)) for r in chunk]
+            cost += sum(widths[start:end])
+            if cost > cap:
+                raise BadRequest(413, f"the first {end} of {n} rows already cost {cost} padded tokens; at most {cap} "
+                                      "per request (--max-request-tokens): send fewer rows per request (the "
+                                      "client's --reward-request-rows)")
+            start = end
+            yield
+        return rows, widths
+
+    def encode_rows(self, prompts: list[str], completions: list[str], ended: list[bool],
+                    tokenizer: Any) -> list[list[int]]:
+        """Rows of text as the reward model reads them (stage 3's ``encode_for_reward``)."""
+        from dschat.rlhf.scoring import encode_for_reward
+
+        return encode_for_reward(prompts, completions, ended, tokenizer, self.limits.max_seq_len)[0]
 
     def score_rows(self, rows: list[list[int]]) -> torch.Tensor:
         from dschat import engine as E
@@ -232,24 +365,12 @@ class RewardService:
         return score_rows(self.reward_model, rows, self.tokenizer.pad_token_id, E.device(),
                           self.limits.max_batch_tokens)
 
-    def job(self, req: ScoreRequest, openrlhf: bool = False) -> Job:
-        """The batcher's job of a request; 413 when its rows cost more than ``--max-request-tokens`` padded
-        tokens (token ids are counted before they are checked, text once encoded)."""
-        from dschat.rlhf.scoring import score_width
-
-        if req.input_ids is not None and self.reward_model is not None:
-            self._check_cost([score_width(len(r)) for r in req.input_ids])
-        rows = self.rows(req)
-        widths = [score_width(len(r)) for r in rows]
-        self._check_cost(widths)
-        return Job(rows, {"request": req, "openrlhf": openrlhf}, widths)
-
-    def _check_cost(self, widths: list[int]) -> None:
-        cost, cap = sum(widths), self.limits.max_request_tokens
+    def _check_cost(self, cost: int, what: str = "") -> None:
+        cap = self.limits.max_request_tokens
         if cost > cap:
-            raise BadRequest(413, f"the rows cost {cost} padded tokens; at most {cap} per request "
-                                  "(--max-request-tokens): send fewer rows per request (the client's "
-                                  "--reward-request-rows)")
+            what = what or f"cost {cost} padded tokens"
+            raise BadRequest(413, f"the rows {what}; at most {cap} per request (--max-request-tokens): send fewer "
+                                  "rows per request (the client's --reward-request-rows)")
 
     # ------------------------------------------------------------------------------------------- answers
     def finish(self, job: Job, rm_scores: torch.Tensor) -> dict[str, Any]:

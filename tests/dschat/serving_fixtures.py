@@ -116,12 +116,15 @@ def rm_app(rm_dir: Path, log: Callable[[str], None] = lambda _: None, **serve: A
 
 class FakeTokenizer:
     """A stand-in for the reward model's tokenizer: a vocabulary of 1000 ids, a chat template that counts its
-    calls (so a test sees whether a request's rows were rendered)."""
+    calls (so a test sees whether a request's rows were rendered), and an encoder of one id per character that
+    takes ``seconds_per_char`` a character (a slow tokenizer) and counts the characters it encoded."""
 
-    pad_token_id, eos_token_id, chat_template = 0, 1, "fake"
+    pad_token_id, eos_token_id, bos_token_id, chat_template = 0, 1, None, "fake"
 
-    def __init__(self) -> None:
+    def __init__(self, seconds_per_char: float = 0.0) -> None:
         self.rendered = 0
+        self.encoded = 0  # characters encoded so far
+        self.seconds_per_char = seconds_per_char
 
     def __len__(self) -> int:
         return 1000
@@ -133,12 +136,22 @@ class FakeTokenizer:
         self.rendered += 1
         return "".join(m["content"] for m in messages)
 
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        time.sleep(self.seconds_per_char * len(text))
+        self.encoded += len(text)
+        return {"input_ids": [2 + ord(c) % 998 for c in text]}
 
-def fake_rm_app(seconds_per_token: float = 0.0, rows_delay: float = 0.0, **limits: Any) -> Any:
+    def __deepcopy__(self, memo: dict) -> FakeTokenizer:
+        return self  # one counter for both of the server's parsing lanes
+
+
+def fake_rm_app(seconds_per_token: float = 0.0, rows_delay: float = 0.0, seconds_per_char: float = 0.0,
+                log: Callable[[str], None] = lambda _: None, **limits: Any) -> Any:
     """A server of a stand-in reward model whose score of a row is the sum of its ids and whose forward sleeps
-    ``seconds_per_token`` per padded token (so a test controls how long a request holds the worker); the
-    service's ``rows`` sleeps ``rows_delay`` (a slow tokenizer). Requests send ``input_ids``. The service is
-    ``app.state.fake`` (its ``forwards``: the rows of each forward)."""
+    ``seconds_per_token`` per padded token (so a test controls how long a request holds the worker); preparing a
+    request first sleeps ``rows_delay``, and encoding text sleeps ``seconds_per_char`` a character (a slow
+    tokenizer: ``FakeTokenizer``). The service is ``app.state.fake`` (its ``forwards``: the rows of each forward;
+    ``tokenizer.encoded``: the characters encoded)."""
     import torch
 
     from dschat.config import ServeArgs
@@ -149,9 +162,9 @@ def fake_rm_app(seconds_per_token: float = 0.0, rows_delay: float = 0.0, **limit
     class FakeService(RewardService):
         forwards: list[int] = []
 
-        def rows(self, req: Any) -> list[list[int]]:
+        def prepare(self, raw: bytes, openrlhf: bool = False, tokenizer: Any = None) -> Any:
             time.sleep(rows_delay)
-            return super().rows(req)
+            return (yield from super().prepare(raw, openrlhf, tokenizer))
 
         def score_rows(self, rows: list[list[int]]) -> torch.Tensor:
             time.sleep(seconds_per_token * sum(score_width(len(r)) for r in rows))
@@ -159,8 +172,8 @@ def fake_rm_app(seconds_per_token: float = 0.0, rows_delay: float = 0.0, **limit
             return torch.tensor([float(sum(r)) for r in rows])
 
     args = ServeArgs(**limits)
-    service = FakeService(["rm"], [], {}, object(), FakeTokenizer(), args, {})
+    service = FakeService(["rm"], [], {}, object(), FakeTokenizer(seconds_per_char), args, {})
     service.forwards = []
-    app = create_app(args, lambda: service)
+    app = create_app(args, lambda: service, log=log)
     app.state.fake = service
     return app

@@ -181,6 +181,69 @@ def test_token_from_file_or_env_sent_and_never_shown(tmp_path, monkeypatch):
         assert secret not in str(e.value) and "wrong" not in str(e.value).replace("wrong bearer", "")
 
 
+def test_a_token_with_a_trailing_cr_works_and_a_bad_one_is_never_shown(tmp_path, monkeypatch):
+    """$(cat file) of a CRLF file ends the token in '\\r': stripped, as the token file's is. A token with a line
+    break inside: one line naming where it came from, never the token."""
+    secret = "s3cr3t-tok-5150"
+    seen: list[str] = []
+
+    def auth(body: dict[str, Any], headers: dict[str, str]) -> Reply:
+        seen.append(headers.get("Authorization", ""))
+        return ok(body, headers)
+
+    with stub(auth) as s:
+        monkeypatch.setenv("DSCHAT_REWARD_TOKEN", secret + "\r")
+        assert remote_reward(s.url)(["p"], ["ab"]) == [2.0] and seen == [f"Bearer {secret}"]
+        for bad in (f"{secret}\nX-Injected: 1", f"s3cr3t\r\n{secret}", f"{secret}\x7f", f"{secret}\u2019"):
+            monkeypatch.setenv("DSCHAT_REWARD_TOKEN", bad)
+            with pytest.raises(UserError) as e:
+                remote_reward(s.url)(["p"], ["ab"])
+            message = str(e.value)
+            assert "DSCHAT_REWARD_TOKEN" in message and "\n" not in message and "s3cr3t" not in message, message
+            # set directly (not through the environment or a file): refused alike, and never sent
+            with pytest.raises(UserError) as e:
+                RemoteReward(s.url, RemoteSettings(token=bad))
+            assert "s3cr3t" not in str(e.value)
+        (tmp_path / "t").write_text(f"{secret}\tmore\n")  # a control character inside the file's first line
+        with pytest.raises(UserError) as e:
+            remote_reward(s.url, token_file=str(tmp_path / "t"))
+        assert "--reward-token-file" in str(e.value) and "s3cr3t" not in str(e.value)
+        assert len(seen) == 1
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1:99999/score", "Port out of range"),
+    ("http://127.0.0.1:abc/score", "abc"),
+    ("http://[::1/score", "Invalid IPv6 URL"),
+    ("http://[fe80::zz]:8000/score", "not a valid address"),
+    ("http:///score", "names no host"),
+    ("http://127.0.0.1:0/score", "port 0"),
+    ("http://127.0.0.1:8000/sc ore", "space"),
+])
+def test_a_malformed_server_address_is_refused_with_the_other_flags(url, why):
+    """Checked where stage 3, dschat generate and dschat eval check their reward sources, before any model
+    loads: one line naming the address."""
+    from dschat.rlhf.config import RewardArgs, check_reward_models
+
+    with pytest.raises(UserError) as e:
+        check_reward_models(["format", url], RewardArgs())
+    assert why in str(e.value) and url in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="not a valid address|names no host|port 0|space"):
+        RemoteReward(url)
+
+
+def test_a_malformed_server_address_stops_the_run_before_anything_loads():
+    from tests.helpers import run_cli
+
+    proc = run_cli("train", "--step", "3", "--algo", "grpo", "--actor-model", "tiny", "--reward-funcs",
+                   "http://127.0.0.1:99999/score", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [ln for ln in proc.stderr.splitlines() if "error" in ln] == [
+        "dschat: error: reward server 'http://127.0.0.1:99999/score': not a valid address (Port out of range "
+        "0-65535)"]
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_url_is_a_reward_source_weighted_like_any_other():
     with stub(ok) as s:
         assert isinstance(get_reward_func(s.url), RemoteReward)
