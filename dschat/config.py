@@ -216,16 +216,15 @@ class AgentArgs:
     env_column: str = arg("env", "Data column naming each row's environment when --env is given more than once.")
     max_turns: int = arg(4, "Most assistant turns in an episode (each tool call closes one); an episode still going "
                             "then is cut.", low=1)
-    tool_timeout: float = arg(10.0, "Seconds a tool call may take; past it the episode gets an error turn and goes "
-                                    "on.", above=0)
-    tool_max_output: int = arg(2000, "Characters of a tool's result kept (its return value, or what it printed); "
-                                     "the rest is cut.", low=1)
+    tool_timeout: float = arg(10.0, "Seconds a tool call, or an environment's reset or step, may take; past it "
+                                    "the call gets an error turn (the episode an error) and the run goes on.",
+                              above=0)
+    tool_max_output: int = arg(2000, "Characters of a tool's result (its return value, or what it printed), or of an "
+                                     "environment's observation, kept; the rest is cut.", low=1)
 
     def inert_fields(self) -> dict[str, str]:
         out = {} if self.tools or self.env else {
             n: "without --tools or --env" for n in ("max_turns", "tool_timeout", "tool_max_output")}
-        if not self.tools:
-            out.update({n: "without --tools" for n in ("tool_timeout", "tool_max_output")})
         if len(self.env) < 2:
             out["env_column"] = "without two or more --env"
         return out

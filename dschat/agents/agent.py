@@ -7,19 +7,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dschat.agents.calls import CALL_CLOSE
-from dschat.agents.tools import Tool, ToolRunner
+from dschat.agents.env import EnvHosts, EnvSession, LocalSession
+from dschat.agents.tools import ERROR_KINDS, Tool, ToolRunner
+from dschat.agents.worker import ERROR_KINDS_ENV
 
 
 @dataclass
 class Agent:
-    """A run's tools and environments (``AgentArgs`` built): what ``Episodes`` needs besides the batch."""
+    """A run's tools and environments (``AgentArgs`` built): what ``Episodes`` needs besides the batch. ``envs``
+    maps each name to an ``EnvClass`` (loaded from a file: it runs in worker processes) or to a class (run in this
+    process); environments share the runner's deadline and output cap."""
 
     tools: list[Tool]
     runner: ToolRunner
-    envs: dict[str, type]
+    envs: dict[str, Any]
     env_column: str
     max_turns: int
     _closers: dict[int, set[int]] = field(default_factory=dict, repr=False)
+    _hosts: EnvHosts | None = field(default=None, repr=False)
+    env_counts: dict[str, int] = field(default_factory=lambda: {"truncated": 0, **{k: 0 for k in ERROR_KINDS_ENV}},
+                                       repr=False)
+
+    def open_env(self, name: str) -> EnvSession | LocalSession:
+        """A new episode of the environment ``name`` (not yet reset)."""
+        if self._hosts is None:
+            self._hosts = EnvHosts(self.envs, self.runner.timeout, self.runner.max_output)
+        return self._hosts.open(name)
+
+    def close(self) -> None:
+        """Kill every tool and environment worker (the run's end does too); later episodes start fresh ones."""
+        self.runner.close()
+        if self._hosts is not None:
+            self._hosts.close()
 
     def may_close(self, tokenizer: Any) -> set[int]:
         """The ids whose text may end a call (``</tool_call>``'s last character), once per tokenizer: only after
@@ -37,6 +56,7 @@ class Agent:
 
     _totals: dict[str, float] = field(default_factory=dict, repr=False)
     _runner_seen: dict[str, int] = field(default_factory=dict, repr=False)
+    _env_seen: dict[str, int] = field(default_factory=dict, repr=False)
 
     def record(self, episodes: int, turns: int, calls: int, errors: int, policy_tokens: int,
                context_tokens: int) -> None:
@@ -58,8 +78,13 @@ class Agent:
         out = {"episode/turns": t["turns"] / n, "episode/tool_calls": t["calls"] / n,
                "episode/tool_errors": t["errors"] / n,
                "episode/masked_token_frac": t["context_tokens"] / tokens if tokens else 0.0}
-        for kind in ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "junk", "truncated"):
+        for kind in (*ERROR_KINDS, "truncated"):
             out[f"episode/tool_{kind}"] = float(counts.get(kind, 0) - seen.get(kind, 0))
+        if self.envs:
+            env, env_seen = dict(self.env_counts), self._env_seen
+            self._env_seen = env
+            for kind in (*ERROR_KINDS_ENV, "truncated"):
+                out[f"episode/env_{kind}"] = float(env.get(kind, 0) - env_seen.get(kind, 0))
         return out
 
     def describe(self) -> str:

@@ -9,8 +9,9 @@ token for every row and hands it to ``Episodes.advance``, which decides, per row
   environment answers it (``step``) or the episode is over;
 - **force**: the token is replaced by the next token of a tool's result or an environment's observation (a
   *context* token: fed through the model, so the cache holds it, but never trained on);
-- **wait**: the row's tool is still running; the row feeds a masked padding column (not attended to, its position
-  not advanced) while the other rows go on; when every unfinished row waits, the loop waits for the first tool;
+- **wait**: the row's tool (or its environment's ``step``) is still running; the row feeds a masked padding
+  column (not attended to, its position not advanced) while the other rows go on; when every unfinished row waits,
+  the loop waits for the first;
 - **done**: padding.
 
 The cache of each row's prefix is kept throughout: nothing is recomputed when a turn is appended. The policy mask
@@ -21,6 +22,7 @@ functions is its whole continuation (calls, results, observations and answers), 
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +31,8 @@ import torch
 
 from dschat.agents.agent import Agent
 from dschat.agents.calls import CALL_OPEN, CallError, Turns, open_call, parse_call
-from dschat.agents.env import as_step
+from dschat.agents.env import EnvCall, EnvReply
 from dschat.agents.tools import ToolCall
-from dschat.errors import first_line
 
 SAMPLE, FORCE, WAIT, DONE = range(4)
 
@@ -41,7 +42,7 @@ class _Row:
     mode: int = SAMPLE
     turn: list[int] = field(default_factory=list)  # the policy's tokens of the current turn
     forced: deque[int] = field(default_factory=deque)
-    call: ToolCall | None = None
+    call: ToolCall | EnvCall | None = None  # a tool's call, or the environment's step, in flight
     turns: int = 0
     calls: int = 0
     errors: int = 0
@@ -91,36 +92,42 @@ class Episodes:
         self.on_event: Any = None
         self.may_close = agent.may_close(tokenizer)
         self.errors = {"env": 0}
+        self._sessions: list[Any] = []  # each row's environment, closed when its episode ends or this batch goes
+        weakref.finalize(self, _close_all, self._sessions)
 
     # ------------------------------------------------------------------------------------------- set-up
-    def _env_of(self, row: dict[str, Any]) -> type | None:
+    def _env_of(self, row: dict[str, Any]) -> str | None:
         envs = self.agent.envs
         if not envs:
             return None
         if len(envs) == 1:
-            return next(iter(envs.values()))
+            return next(iter(envs))
         name = row.get(self.agent.env_column)
         if name not in envs:
             from dschat.errors import UserError
 
             raise UserError(f"data column {self.agent.env_column!r}: {name!r} names no --env "
                             f"(environments: {', '.join(envs)})")
-        return envs[name]
+        return name
 
     def start(self) -> None:
-        """Start every row's environment; an observation it gives opens the row's answer as context."""
+        """Start every row's environment (the resets run side by side, each under the deadline, and this waits for
+        them all); an observation one gives opens the row's answer as context."""
+        started = []
         for row, st in zip(self.rows, self.state, strict=True):
-            cls = self._env_of(row)
-            if cls is None:
+            name = self._env_of(row)
+            if name is None:
                 continue
-            try:
-                st.env = cls()
-                first = st.env.reset(dict(row))
-            except Exception as e:  # noqa: BLE001 - the user's environment: the episode ends, counted
-                self._env_failed(st, f"reset raised {type(e).__name__}: {first_line(e, 120)}")
-                continue
-            if first:
-                st.forced.extend(self._ids(str(first)))
+            st.env = self.agent.open_env(name)
+            self._sessions.append(st.env)
+            started.append((st, st.env.reset(dict(row))))
+        for st, call in started:
+            reply = call.wait()
+            if reply.error is not None:
+                self._env_failed(st, reply)
+            elif reply.observation:
+                self._count_truncated(reply)
+                st.forced.extend(self._ids(reply.observation))
                 st.mode = FORCE
 
     def _ids(self, text: str) -> list[int]:
@@ -128,14 +135,25 @@ class Episodes:
         multi-turn SFT), so the tokens an episode feeds are those its SFT traces taught."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _env_failed(self, st: _Row, why: str) -> None:
+    def _env_failed(self, st: _Row, reply: EnvReply) -> None:
         st.errors += 1
         self.errors["env"] += 1
-        st.mode, st.finished = DONE, False
+        self.agent.env_counts[str(reply.error)] = self.agent.env_counts.get(str(reply.error), 0) + 1
+        self._end(st, False)
         if not getattr(self.agent, "_said_env", False):
-            print(f"[episodes] environment error (the episode ends; counted in episode/tool_errors): {why}",
+            print(f"[episodes] environment error (the episode ends; counted in episode/tool_errors): {reply.message}",
                   flush=True)
             self.agent._said_env = True  # type: ignore[attr-defined]
+
+    def _count_truncated(self, reply: EnvReply) -> None:
+        if reply.truncated:
+            self.agent.env_counts["truncated"] = self.agent.env_counts.get("truncated", 0) + 1
+
+    def _end(self, st: _Row, finished: bool) -> None:
+        """The row's episode is over (``finished``: by itself, not cut); its environment is let go."""
+        st.mode, st.finished = DONE, finished
+        if st.env is not None:
+            st.env.close()
 
     # ------------------------------------------------------------------------------------------- per token
     def advance(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,12 +179,18 @@ class Episodes:
             assert st.call is not None
             if not block and not st.call.done():
                 return self.pad, False, False, False
-            result = st.call.wait()
-            st.errors += result.error is not None
-            self._event(i, "result", result.text)
-            st.call = None
-            st.forced.extend(self._ids(self.turns.tool_result(result.text)))
-            st.mode = FORCE if st.forced else SAMPLE
+            call, st.call = st.call, None
+            if isinstance(call, EnvCall):
+                st.mode = SAMPLE
+                self._stepped(i, st, call.wait())
+                if st.mode != FORCE:  # over, or the policy's turn again: this column stays masked
+                    return self.pad, False, False, st.mode == DONE
+            else:
+                result = call.wait()
+                st.errors += result.error is not None
+                self._event(i, "result", result.text)
+                st.forced.extend(self._ids(self.turns.tool_result(result.text)))
+                st.mode = FORCE if st.forced else SAMPLE
         if st.mode == FORCE:
             tok = st.forced.popleft()
             if not st.forced:
@@ -194,7 +218,7 @@ class Episodes:
         st.turns += 1
         st.turn = []
         if st.turns >= self.agent.max_turns:  # the last turn allowed: the call is not run, the episode is cut
-            st.mode = DONE
+            self._end(st, False)
             return
         st.calls += 1
         try:
@@ -216,21 +240,28 @@ class Episodes:
         st.turn = []
         self._event(i, "turn", text)
         if st.env is None:
-            st.mode, st.finished = DONE, True
+            self._end(st, True)
             return
-        try:
-            step = as_step(st.env.step(text), "environment")
-        except Exception as e:  # noqa: BLE001 - the user's environment: the episode ends, counted
-            self._env_failed(st, f"step raised {type(e).__name__}: {first_line(e, 120)}")
+        call = st.env.step(text)
+        if call.done():  # an environment in this process: answered already
+            self._stepped(i, st, call.wait())
+        else:
+            st.call, st.mode = call, WAIT
+
+    def _stepped(self, i: int, st: _Row, reply: EnvReply) -> None:
+        """The environment's answer to row ``i``'s finished turn."""
+        if reply.error is not None:
+            self._env_failed(st, reply)
             return
-        st.env_reward += step.reward
-        if step.done:
-            st.mode, st.finished = DONE, True
+        self._count_truncated(reply)
+        st.env_reward += reply.reward
+        if reply.done:
+            self._end(st, True)
         elif st.turns >= self.agent.max_turns:
-            st.mode = DONE  # cut: the environment had more to say
-        elif step.observation:
-            self._event(i, "observation", step.observation)
-            st.forced.extend(self._ids(self.turns.observation(step.observation)))
+            self._end(st, False)  # cut: the environment had more to say
+        elif reply.observation:
+            self._event(i, "observation", reply.observation)
+            st.forced.extend(self._ids(self.turns.observation(reply.observation)))
             st.mode = FORCE
 
     # ------------------------------------------------------------------------------------------- results
@@ -245,3 +276,8 @@ class Episodes:
                            [st.env_reward if st.env is not None or self.agent.envs else None for st in self.state],
                            [st.turns for st in self.state], [st.calls for st in self.state],
                            [st.errors for st in self.state])
+
+
+def _close_all(sessions: list[Any]) -> None:
+    for session in sessions:
+        session.close()

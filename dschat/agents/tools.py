@@ -1,37 +1,37 @@
 """Tools: Python functions the policy calls during an episode (``--tools``), and the runner that calls them.
 
-A tool is a function whose signature and docstring are its schema (``tool_from_function``): the first paragraph
-of the docstring describes it, an ``Args:`` section describes its parameters, and the annotations give their JSON
-types. ``--tools calculator`` names a built-in; ``--tools path/to/file.py:function`` loads a user's function.
+A tool is a function whose signature and docstring are its schema: transformers' ``get_json_schema`` (what TRL and
+chat templates use) where it takes the function, and where it refuses one (a parameter without a description or an
+annotation, no docstring) the same per-parameter schemas with what the docstring has. ``--tools calculator`` names a
+built-in; ``--tools path/to/file.py:function`` loads a user's function.
 
-``ToolRunner`` calls a tool in a thread of its own under ``--tool-timeout`` and caps what comes back (its return
-value, or what it printed when it returns None) at ``--tool-max-output`` characters. A tool that raises, hangs,
-prints or returns junk, and a call that cannot be parsed, become an error message in the episode
-(``ToolResult.error`` says which kind), never a crashed run. A Python thread cannot be killed: a tool past its
-timeout is abandoned and its thread runs on in the background until it returns.
+``ToolRunner`` runs a user's tool in worker processes of its own (``dschat.agents.worker``: up to four per tool,
+each started on first use) under ``--tool-timeout`` and caps what comes back (its return value as text, or what it
+printed when it returns None) at ``--tool-max-output`` characters. A tool that raises, hangs, spins, prints, returns
+junk or ends its process, and a call that cannot be parsed, become an error message in the episode
+(``ToolResult.error`` says which kind), never a crashed run: a call past its deadline kills its worker's process
+group and the next call starts a fresh worker. The built-in calculator runs in the run's process: it is bounded
+(an expression of at most 200 characters, numbers of at most 10^30). A function given as a Python object (not
+through ``--tools``) also runs in the run's process, without a deadline.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import io
-import json
 import math
 import operator
-import re
-import sys
-import threading
 import time
+import typing
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.errors import UserError, first_line
+from dschat.agents.worker import Job, ToolPool, call_tool, clean, probe, worker_spec
+from dschat.errors import UserError
 from dschat.userfiles import load_object, split_label
-
-JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 @dataclass
@@ -40,54 +40,103 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # a JSON schema of an object
     fn: Callable[..., Any]
+    source: tuple[str, str] | None = None  # (file, function) of a user's tool: it runs in worker processes
+    extra: dict[str, Any] = field(default_factory=dict)  # the schema's other keys (``return``)
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI/HF function schema, what a chat template's ``tools=`` takes."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+                                                 "parameters": self.parameters, **self.extra}}
 
     @property
     def required(self) -> list[str]:
         return list(self.parameters.get("required", []))
 
 
-def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
-    """A docstring's first paragraph and its ``Args:`` entries (Google style)."""
-    doc = inspect.cleandoc(doc or "")
-    description = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
-    args: dict[str, str] = {}
-    block = re.search(r"^(?:Args|Arguments|Parameters):\s*\n((?:[ \t]+.*\n?)+)", doc, re.M)
-    if block:
-        name = None
-        for line in block.group(1).splitlines():
-            m = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)", line)
-            if m and (name is None or len(line) - len(line.lstrip()) <= 4):
-                name, args[m.group(1)] = m.group(1), m.group(2).strip()
-            elif name is not None:
-                args[name] = f"{args[name]} {line.strip()}".strip()
-    return description, args
+_EMPTY = inspect.Parameter.empty
 
 
-def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> Tool:
-    """The tool of ``fn``: its name, its docstring's first paragraph, and a parameter per argument (a type from
-    its annotation, a description from the docstring's ``Args:``, required unless it has a default)."""
-    description, docs = _doc_parts(fn.__doc__ or "")
+def _hint_schema(hint: Any, description: str | None) -> dict[str, Any] | None:
+    """One parameter's schema as ``get_json_schema`` writes it for the annotation ``hint`` and the docstring's
+    description (a ``(choices: [...])`` suffix becomes its ``enum``); None for an annotation it cannot convert."""
+    from transformers.utils import get_json_schema
+
+    for text in ([description] if description else []) + ["x"]:
+        def one(x):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202 - a stand-in carrying the annotation
+            pass
+
+        one.__annotations__ = {"x": hint}
+        one.__doc__ = f"One parameter.\n\nArgs:\n    x: {text}\n"
+        try:
+            out = get_json_schema(one)["function"]["parameters"]["properties"]["x"]
+        except Exception:  # noqa: BLE001 - an annotation (or a choices list) it refuses
+            continue
+        if text == "x":
+            out.pop("description", None)
+            if description:
+                out["description"] = description
+        return out
+    return None
+
+
+def _param_schema(hint: Any, description: str | None) -> dict[str, Any]:
+    """``_hint_schema``; as ``str`` for no annotation or one that does not convert (a custom class)."""
+    out = _hint_schema(hint if hint is not _EMPTY else str, description)
+    if out is None:
+        out = _hint_schema(str, description)
+    return out if out is not None else {"type": "string", **({"description": description} if description else {})}
+
+
+def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s function schema (``name``, ``description``, ``parameters``, and ``return`` where its annotation
+    converts): exactly ``get_json_schema(fn)["function"]`` when transformers takes ``fn``; otherwise each
+    parameter's schema as ``get_json_schema`` writes it for its annotation (``str`` for none or one it cannot
+    convert), its description from the docstring's ``Args:`` where it has one, and the description of the tool
+    ``The function NAME.`` when the docstring has none."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import parse_google_format_docstring
+
+    try:
+        return dict(get_json_schema(fn)["function"])
+    except Exception:  # noqa: BLE001 - refused (a parameter without a description or an annotation): built below
+        pass
+    name = getattr(fn, "__name__", "tool")
+    doc = inspect.getdoc(fn) or ""
+    description, args, returns = parse_google_format_docstring(doc.strip()) if doc.strip() else (None, {}, None)
+    args = args or {}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: the ones that are objects
+        hints = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if not isinstance(v, str)}
     props: dict[str, Any] = {}
     required = []
-    for p in inspect.signature(fn).parameters.values():
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name in ("self", "cls") and params[0].annotation is _EMPTY:
+        params = params[1:]
+    for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        ann = p.annotation
-        if isinstance(ann, str):  # from __future__ import annotations
-            ann = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}.get(ann, ann)
-        entry: dict[str, Any] = {"type": JSON_TYPES.get(ann, "string")}
-        if p.name in docs:
-            entry["description"] = docs[p.name]
-        props[p.name] = entry
-        if p.default is p.empty:
+        props[p.name] = _param_schema(hints.get(p.name, _EMPTY), args.get(p.name))
+        if p.default is _EMPTY:
             required.append(p.name)
-    return Tool(name or fn.__name__, description or f"The function {fn.__name__}.",
-                {"type": "object", "properties": props, "required": required}, fn)
+    parameters: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        parameters["required"] = required
+    out = {"name": name, "description": description or f"The function {name}.", "parameters": parameters}
+    ret = _hint_schema(hints["return"], None) if "return" in hints else None
+    if ret is not None:
+        out["return"] = {**ret, **({"description": returns} if returns else {})}
+    return out
+
+
+def tool_from_function(fn: Callable[..., Any], name: str | None = None,
+                       source: tuple[str, str] | None = None) -> Tool:
+    """The tool of ``fn`` (``function_schema``), named ``name`` when given; ``source`` (file, function) for a
+    user's tool, which then runs in worker processes."""
+    schema = function_schema(fn)
+    extra = {k: v for k, v in schema.items() if k not in ("name", "description", "parameters")}
+    return Tool(name or schema["name"], schema.get("description") or f"The function {schema['name']}.",
+                schema["parameters"], fn, source, extra)
 
 
 # ------------------------------------------------------------------------------------------------ calculator
@@ -146,7 +195,9 @@ BUILTINS: dict[str, Callable[..., Any]] = {"calculator": calculator}
 
 
 def load_tools(specs: list[str]) -> list[Tool]:
-    """``--tools`` entries: built-in names or ``FILE.py:function`` (``LABEL=...`` names the tool otherwise)."""
+    """``--tools`` entries: built-in names or ``FILE.py:function`` (``LABEL=...`` names the tool otherwise). A
+    user's file is imported in a child process first (``worker.probe``), so a file that ends its process at import
+    is a one-line error."""
     tools: list[Tool] = []
     for spec in specs:
         label, source = split_label(spec)
@@ -155,10 +206,14 @@ def load_tools(specs: list[str]) -> list[Tool]:
         else:
             if ":" not in source:
                 raise UserError(f"--tools {spec!r}: not a built-in ({', '.join(BUILTINS)}) nor FILE.py:function")
-            fn = load_object(source, f"--tools {spec!r}")
+            fn = load_object(source, f"--tools {spec!r}", probe=probe)
             if not callable(fn):
                 raise UserError(f"--tools {spec!r}: {source} is not a function")
-            tool = tool_from_function(fn, label or None)
+            path, _, attr = source.rpartition(":")
+            try:
+                tool = tool_from_function(fn, label or None, (path, attr))
+            except Exception as e:  # noqa: BLE001 - a signature inspect cannot read
+                raise UserError(f"--tools {spec!r}: no schema for {attr}: {type(e).__name__}: {e}") from None
         if any(t.name == tool.name for t in tools):
             raise UserError(f"--tools: two tools named {tool.name!r}; name one with NAME=FILE.py:function")
         tools.append(tool)
@@ -166,7 +221,7 @@ def load_tools(specs: list[str]) -> list[Tool]:
 
 
 # ------------------------------------------------------------------------------------------------ running
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "junk")
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "junk", "crashed")
 
 
 @dataclass
@@ -177,78 +232,44 @@ class ToolResult:
     seconds: float = 0.0
 
 
-class _Captured(io.TextIOBase):
-    """``sys.stdout``/``sys.stderr`` while tools run: a tool thread's writes go to its own capped buffer, every
-    other thread's to the stream that was there before."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.buffers: dict[int, list[str]] = {}
-        self.sizes: dict[int, int] = {}
-        self.cap = 0
-
-    def write(self, text: str) -> int:
-        key = threading.get_ident()
-        if key not in self.buffers:
-            return self.inner.write(text)
-        room = self.cap + 1 - self.sizes[key]
-        if room > 0:
-            self.buffers[key].append(text[:room])
-            self.sizes[key] += min(len(text), room)
-        return len(text)
-
-    def flush(self) -> None:
-        if threading.get_ident() not in self.buffers:
-            self.inner.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-_capture_lock = threading.Lock()
-_captured: dict[str, _Captured] = {}
-
-
-def _capture(cap: int) -> _Captured:
-    """The process's stdout router, installed once (tools print from their own threads)."""
-    with _capture_lock:
-        out = _captured.get("stdout")
-        if out is None or sys.stdout is not out:
-            out = _Captured(sys.stdout)
-            sys.stdout = out  # type: ignore[assignment]
-            _captured["stdout"] = out
-        out.cap = max(out.cap, cap)
-        return out
-
-
-@dataclass
 class ToolCall:
-    """A call in flight: ``done()`` once its result is in (or its deadline passed)."""
+    """A call in flight: ``done()`` once its result is in; ``wait()`` gives it (at most the deadline away)."""
 
-    result: ToolResult | None = None
-    deadline: float = 0.0
-    _event: threading.Event = field(default_factory=threading.Event)
-    _finish: Callable[[], ToolResult] | None = None
+    def __init__(self, result: ToolResult | None = None, job: Job | None = None,
+                 finish: Callable[[dict[str, Any]], ToolResult] | None = None):
+        self.result, self._job, self._finish = result, job, finish
 
     def done(self) -> bool:
-        return self.result is not None or self._event.is_set() or time.monotonic() >= self.deadline
+        return self.result is not None or (self._job is not None and self._job.done())
 
     def wait(self) -> ToolResult:
         if self.result is None:
-            self._event.wait(max(0.0, self.deadline - time.monotonic()))
-            assert self._finish is not None
-            self.result = self._finish()
+            assert self._job is not None and self._finish is not None
+            self.result = self._finish(self._job.wait())
         return self.result
 
 
+def _close_pools(pools: dict[str, ToolPool]) -> None:
+    for pool in pools.values():
+        pool.close()
+    pools.clear()
+
+
 class ToolRunner:
-    """Calls tools by name with parsed arguments, each in a daemon thread under ``timeout`` seconds, and counts
-    what happened (``counts``: calls and each error kind)."""
+    """Calls tools by name with parsed arguments under ``timeout`` seconds, and counts what happened (``counts``:
+    calls and each error kind). A user's tool runs in worker processes (``ToolPool``), started on its first call
+    and killed by ``close()``, when the runner is collected, or at the run's end."""
 
     def __init__(self, tools: list[Tool], timeout: float = 10.0, max_output: int = 2000):
         self.tools = {t.name: t for t in tools}
         self.timeout, self.max_output = timeout, max_output
         self.counts: dict[str, int] = {"calls": 0, "truncated": 0, **{k: 0 for k in ERROR_KINDS}}
+        self._pools: dict[str, ToolPool] = {}
+        self._closer = weakref.finalize(self, _close_pools, self._pools)
+
+    def close(self) -> None:
+        """Kill every tool worker (and what the tools forked); a later call starts fresh ones."""
+        _close_pools(self._pools)
 
     def error(self, kind: str, message: str) -> ToolCall:
         """A call that fails before it runs (a malformed call, an unknown tool): its error result, counted."""
@@ -267,60 +288,40 @@ class ToolRunner:
             what = f"missing {', '.join(missing)}" if missing else f"unknown argument {unknown[0]!r}"
             return self.error("bad_arguments", f"{name}: {what}")
         self.counts["calls"] += 1
-        stdout = _capture(self.max_output)
-        box: dict[str, Any] = {}
         started = time.monotonic()
-        call = ToolCall(deadline=started + self.timeout)
 
-        def run() -> None:
-            key = threading.get_ident()
-            stdout.buffers[key], stdout.sizes[key] = [], 0
-            try:
-                box["value"] = tool.fn(**arguments)
-            except BaseException as e:  # noqa: BLE001 - the tool's failure is the episode's error message
-                box["error"] = e
-            finally:
-                box["printed"] = "".join(stdout.buffers.pop(key, []))
-                stdout.sizes.pop(key, None)
-                call._event.set()
+        def finish(reply: dict[str, Any]) -> ToolResult:
+            return self._result(name, reply, time.monotonic() - started)
 
-        threading.Thread(target=run, name=f"dschat-tool-{name}", daemon=True).start()
+        if tool.source is None:  # the calculator (bounded), or a function given as an object: in this process
+            reply = call_tool(tool.fn, arguments, self.max_output,
+                             capture=all(tool.fn is not f for f in BUILTINS.values()))
+            return ToolCall(finish(reply))
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = ToolPool(worker_spec(*tool.source, self.max_output), f"tool-{name}",
+                                                self.timeout)
+        return ToolCall(job=pool.submit(arguments), finish=finish)
 
-        def finish() -> ToolResult:
-            seconds = time.monotonic() - started
-            if not call._event.is_set():
-                self.counts["timeout"] += 1
-                return ToolResult(f"error: {name} timed out after {self.timeout:g} s", "timeout", seconds=seconds)
-            if "error" in box:
-                e = box["error"]
-                self.counts["raised"] += 1
-                return ToolResult(f"error: {name} raised {type(e).__name__}: {first_line(e, 200)}", "raised",
-                                  seconds=seconds)
-            value = box.get("value")
-            text = box.get("printed", "") if value is None else _as_text(value)
-            if text is None:
-                self.counts["junk"] += 1
-                return ToolResult(f"error: {name} returned a {type(value).__name__}, not text", "junk",
-                                  seconds=seconds)
-            truncated = len(text) > self.max_output
-            if truncated:
-                self.counts["truncated"] += 1
-                text = text[: self.max_output] + " ...[truncated]"
-            return ToolResult(text, None, truncated, seconds)
-
-        call._finish = finish
-        return call
-
-
-def _as_text(value: Any) -> str | None:
-    """A tool's return value as text: a string as it is, numbers and JSON data as JSON; None for anything else."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool | int | float) and not (isinstance(value, float) and not math.isfinite(value)):
-        return json.dumps(value)
-    if isinstance(value, list | dict | tuple):
-        try:
-            return json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):
-            return None
-    return None
+    def _result(self, name: str, reply: dict[str, Any], seconds: float) -> ToolResult:
+        """A worker's reply as the call's result, counted. Only plain text crosses: a reply of another shape is
+        the worker's fault (``crashed``)."""
+        kind, message = reply.get("error"), reply.get("message")
+        message = clean(message)[:300] if isinstance(message, str) else ""
+        text = reply.get("text")
+        if kind is None and not (isinstance(text, str) and isinstance(reply.get("truncated", False), bool)):
+            kind, message = "crashed", "its process sent a reply that is not one"
+        if kind is not None:
+            kind = kind if kind in ("raised", "junk", "timeout", "crashed") else "crashed"
+            self.counts[kind] += 1
+            said = {"timeout": f"{name} timed out after {self.timeout:g} s",
+                    "raised": f"{name} raised {message}",
+                    "junk": f"{name} returned {message}",
+                    "crashed": f"{name} failed: {message}"}[kind]
+            return ToolResult(f"error: {said}", kind, seconds=seconds)
+        text = clean(text)
+        truncated = bool(reply.get("truncated")) or len(text) > self.max_output
+        if truncated:
+            self.counts["truncated"] += 1
+            text = text[: self.max_output] + " ...[truncated]"
+        return ToolResult(text, None, truncated, seconds)

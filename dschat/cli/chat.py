@@ -101,7 +101,8 @@ def interactive(bot: Any, system: str | None, out: TextIO, banner: str) -> None:
 @click.option("--max-turns", "--max_turns", "max_turns", type=click.IntRange(min=1), default=4, show_default=True,
               help="With --tools or --env: most assistant turns in one answer.")
 @click.option("--tool-timeout", "--tool_timeout", "tool_timeout", type=click.FloatRange(min=0, min_open=True),
-              default=10.0, show_default=True, help="With --tools: seconds a call may take.")
+              default=10.0, show_default=True,
+              help="With --tools or --env: seconds a tool call, or an environment's reset or step, may take.")
 def chat_command(model: str, prompt: str | None, system: str | None, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int, greedy: bool, repetition_penalty: float, seed: int | None, device: str,
                  dtype: str, trust_remote_code: bool, generation_backend: str, tools: tuple[str, ...],

@@ -64,7 +64,7 @@ def test_a_function_s_signature_and_docstring_are_its_schema(tmp_path):
         "parameters": {"type": "object", "required": ["city"], "properties": {
             "city": {"type": "string", "description": "the city's name."},
             "days": {"type": "integer", "description": "how many days ahead, counted from today."},
-            "metric": {"type": "boolean"}}}}}
+            "metric": {"type": "boolean"}}}, "return": {"type": "string"}}}
     assert load_tools(["calculator"])[0].schema()["function"]["parameters"]["required"] == ["expression"]
 
 
@@ -91,7 +91,7 @@ def test_faulty_tools_become_error_messages_and_are_counted(tmp_path, capsys):
     runner = ToolRunner(tools, timeout=0.3, max_output=100)
     t0 = time.monotonic()
     results = {n: runner.call(n, {"text": "hi"}).wait() for n in ("sleepy", "boom", "chatty", "big", "junk", "fine")}
-    assert time.monotonic() - t0 < 3  # the sleeping tool is abandoned at its timeout
+    assert time.monotonic() - t0 < 3  # the sleeping tool is killed at its timeout
     assert (results["sleepy"].error, results["sleepy"].text) == ("timeout", "error: sleepy timed out after 0.3 s")
     assert results["boom"].error == "raised" and results["boom"].text == "error: boom raised RuntimeError: kaput"
     for name, char in (("chatty", "x"), ("big", "y")):  # printed or returned, a megabyte comes back capped
