@@ -62,6 +62,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                           default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as,
                           tools=agent.tool_schemas if agent is not None and agent.tools else None)
     check_reward_data(cfg.reward_func_names(), data.train + data.eval)
+    if agent is not None:
+        agent.check_rows(data.train + data.eval)  # every row's environment, before anything trains
     collator = Algo.collator(tok.pad_token_id)  # prompts (PPO, GRPO) or pairs (DPO)
     prompts = training_loader(data.train, Algo.batch_size(cfg), collator, cfg.run.seed, d)  # rows per update
     evals = eval_loader(data.eval, o.per_device_eval_batch_size, collator)

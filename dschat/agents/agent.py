@@ -10,6 +10,7 @@ from dschat.agents.calls import CALL_CLOSE
 from dschat.agents.env import EnvHosts, EnvSession, LocalSession
 from dschat.agents.tools import ERROR_KINDS, Tool, ToolRunner
 from dschat.agents.worker import ERROR_KINDS_ENV
+from dschat.errors import UserError
 
 
 @dataclass
@@ -27,6 +28,26 @@ class Agent:
     _hosts: EnvHosts | None = field(default=None, repr=False)
     env_counts: dict[str, int] = field(default_factory=lambda: {"truncated": 0, **{k: 0 for k in ERROR_KINDS_ENV}},
                                        repr=False)
+
+    def env_name(self, fields: dict[str, Any], where: str = "") -> str | None:
+        """The environment of a row with these fields: none without --env, the only one, or the one the row's
+        ``env_column`` names (else a one-line error naming the row, ``where``, and the field)."""
+        if not self.envs:
+            return None
+        if len(self.envs) == 1:
+            return next(iter(self.envs))
+        name = fields.get(self.env_column)
+        if not isinstance(name, str) or name not in self.envs:
+            raise UserError(f"{where + ': ' if where else ''}data column {self.env_column!r}: {str(name)[:60]!r} names "
+                            f"no --env (environments: {', '.join(self.envs)})")
+        return name
+
+    def check_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Every row's environment is one of --env: checked on a phase's rows (their ``extra`` fields, ``where``
+        they come from) before anything trains or samples, so a bad row stops the run at its start, not at the
+        step that first draws it."""
+        for row in rows:
+            self.env_name(row.get("extra") or {}, str(row.get("where", "")))
 
     def open_env(self, name: str) -> EnvSession | LocalSession:
         """A new episode of the environment ``name`` (not yet reset)."""

@@ -96,26 +96,12 @@ class Episodes:
         weakref.finalize(self, _close_all, self._sessions)
 
     # ------------------------------------------------------------------------------------------- set-up
-    def _env_of(self, row: dict[str, Any]) -> str | None:
-        envs = self.agent.envs
-        if not envs:
-            return None
-        if len(envs) == 1:
-            return next(iter(envs))
-        name = row.get(self.agent.env_column)
-        if name not in envs:
-            from dschat.errors import UserError
-
-            raise UserError(f"data column {self.agent.env_column!r}: {name!r} names no --env "
-                            f"(environments: {', '.join(envs)})")
-        return name
-
     def start(self) -> None:
         """Start every row's environment (the resets run side by side, each under the deadline, and this waits for
         them all); an observation one gives opens the row's answer as context."""
         started = []
         for row, st in zip(self.rows, self.state, strict=True):
-            name = self._env_of(row)
+            name = self.agent.env_name(row)
             if name is None:
                 continue
             st.env = self.agent.open_env(name)

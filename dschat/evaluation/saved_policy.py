@@ -196,6 +196,8 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
                         "--max-eval-rows leaves none (to use every row of a file: --data-split 0,0,1 "
                         "--eval-fraction 1 --max-eval-rows 0)")
     check_reward_data(names, rows)
+    if agent is not None:
+        agent.check_rows(rows)
 
     dev = E.device()
     dtype = resolve_dtype(cfg.model.dtype, dev)

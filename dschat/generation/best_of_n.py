@@ -417,6 +417,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     if not rows:
         raise UserError(f"no prompts in {', '.join(cfg.data.data)} ({data_counts})")
     check_reward_data(names, rows)
+    if agent is not None:
+        agent.check_rows(rows)
     reward_path = reward_model_path(cfg.rewards.reward_model) if RM in names else ""
     judge_path = resolve_saved_model(cfg.rewards.judge_model) if JUDGE in names else ""
     settings = {k: v for k, v in to_flat_dict(cfg).items() if k not in ("progress", "force", "output")}
