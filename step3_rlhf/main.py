@@ -57,6 +57,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     stage = begin_stage(cfg, "step3_rlhf", f"output/{Algo.output_name}")
     tok = load_tokenizer(resolve_model(cfg.actor.model), cfg.model.trust_remote_code)
     agent = build_agent(cfg.agent)  # tools and environments, if any (their schemas go to the chat template)
+    if agent is not None:
+        agent.warm()  # the tools' workers start while the models load
     with E.main_process_first():  # without --data: the algorithm's demo file (e.g. prompts with checkable answers)
         data = load_phase(d, 3, tok, cfg.run.seed, log=stage.log if E.is_main() else (lambda _: None),
                           default_data=lambda: demo_data(Algo.demo_data), tokenize_as=Algo.tokenize_as,

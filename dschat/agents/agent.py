@@ -49,6 +49,10 @@ class Agent:
         for row in rows:
             self.env_name(row.get("extra") or {}, str(row.get("where", "")))
 
+    def warm(self) -> None:
+        """Start the tools' workers now, in the background (``ToolRunner.warm``)."""
+        self.runner.warm()
+
     def open_env(self, name: str) -> EnvSession | LocalSession:
         """A new episode of the environment ``name`` (not yet reset)."""
         if self._hosts is None:

@@ -297,11 +297,23 @@ class ToolRunner:
             reply = call_tool(tool.fn, arguments, self.max_output,
                              capture=all(tool.fn is not f for f in BUILTINS.values()))
             return ToolCall(finish(reply))
+        return ToolCall(job=self._pool(name).submit(arguments), finish=finish)
+
+    def _pool(self, name: str) -> ToolPool:
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = ToolPool(worker_spec(*tool.source, self.max_output), f"tool-{name}",
-                                                self.timeout)
-        return ToolCall(job=pool.submit(arguments), finish=finish)
+            source = self.tools[name].source
+            assert source is not None
+            pool = self._pools[name] = ToolPool(worker_spec(*source, self.max_output), f"tool-{name}", self.timeout)
+        return pool
+
+    def warm(self) -> None:
+        """Start one worker of each tool from a file now, in the background: a run calls this before its models
+        load, so the first call does not wait for a process to start while the other rows sample (a waiting row
+        feeds masked columns of its answer's length)."""
+        for name, tool in self.tools.items():
+            if tool.source is not None:
+                self._pool(name).warm()
 
     def _result(self, name: str, reply: dict[str, Any], seconds: float) -> ToolResult:
         """A worker's reply as the call's result, counted. Only plain text crosses: a reply of another shape is

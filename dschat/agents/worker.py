@@ -281,11 +281,11 @@ def _watch(parent: int) -> None:
     def run() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent:
+            if os.getppid() != parent:  # the run is gone: end this worker's group (it leads it), then itself
                 try:
                     os.killpg(0, signal.SIGKILL)
                 finally:
-                    os._exit(1)
+                    os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=run, name="dschat-watch", daemon=True).start()
 
@@ -491,8 +491,10 @@ class Slot:
     """One worker process (started on first use, again after a fault) and the run's thread that talks to it:
     each job of ``jobs`` is written to the worker and its reply awaited under ``timeout`` seconds."""
 
-    def __init__(self, mode: str, spec: dict[str, Any], label: str, timeout: float, jobs: queue.Queue[Any]):
+    def __init__(self, mode: str, spec: dict[str, Any], label: str, timeout: float, jobs: queue.Queue[Any],
+                 start: bool = False):
         self.mode, self.spec, self.label, self.timeout, self.jobs = mode, spec, label, timeout, jobs
+        self.start_now = start  # start the worker before the first job arrives
         self.channel: _Channel | None = None
         self.generation = 0  # one more each time the worker goes: an environment instance lives in one generation
         self.live: set[int] = set()  # environments: the episode ids this worker holds
@@ -502,6 +504,11 @@ class Slot:
         threading.Thread(target=self._serve, name=f"dschat-{label}", daemon=True).start()
 
     def _serve(self) -> None:
+        if self.start_now:
+            try:
+                self._start()  # a failure leaves no worker: the first job starts one again and reports why
+            except BaseException:  # noqa: BLE001 - the same
+                self.stop()
         while True:
             job = self.jobs.get()
             if job is None:
@@ -618,6 +625,12 @@ class ToolPool:
         self.jobs: queue.Queue[Any] = queue.Queue()
         self.slots: list[Slot] = []
         self.lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Start the first worker now (in its thread), ahead of the first call."""
+        with self.lock:
+            if not self.slots:
+                self.slots.append(Slot("tool", self.spec, self.label, self.timeout, self.jobs, start=True))
 
     def submit(self, arguments: dict[str, Any]) -> Job:
         job = Job({"args": arguments})

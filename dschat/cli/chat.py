@@ -116,6 +116,8 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
         from dschat.config import AgentArgs
 
         agent = build_agent(AgentArgs(tools=list(tools), env=list(env), max_turns=max_turns, tool_timeout=tool_timeout))
+        if agent is not None:
+            agent.warm()
     else:
         given = click.get_current_context().get_parameter_source
         for name, flag in (("max_turns", "--max-turns"), ("tool_timeout", "--tool-timeout")):

@@ -188,6 +188,8 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
         raise UserError(f"--baseline {baseline_path} must share the policy's tokenizer: both answer the same "
                         "tokenized prompts, and the KL compares their log-probs of the same tokens")
     agent = build_agent(cfg.agent)  # --tools and --env: the policy's answers are episodes
+    if agent is not None:
+        agent.warm()
     data = load_phase(cfg.data, 3, tok, cfg.run.seed, log=log, default_data=default_data, need_train=False,
                       tools=agent.tool_schemas if agent is not None and agent.tools else None)
     rows = data.eval

@@ -410,6 +410,8 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
     from dschat.agents.agent import build_agent
 
     agent = build_agent(cfg.agent)  # --tools and --env: each sample is an episode, its whole text the response
+    if agent is not None:
+        agent.warm()
     prompts, rows, data_counts, data_files = read_prompts(cfg.data, tok, log,
                                                           agent.tool_schemas if agent and agent.tools else None)
     if g.max_prompts:

@@ -599,3 +599,28 @@ def test_no_worker_outlives_close(tmp_path, agents):
     agent.close()
     assert all(_wait_gone(pid) for pid in pids)
     assert os.getpid() not in pids
+
+
+def test_warm_starts_a_tool_s_worker_before_its_first_call(tmp_path):
+    """``ToolRunner.warm`` starts one worker per tool from a file in the background, so the first call finds it
+    running; the calculator and objects stay in this process and start nothing."""
+    from dschat.agents.tools import ToolRunner, load_tools
+
+    f = tmp_path / "t.py"
+    f.write_text("import os\n\ndef pid(text: str) -> str:\n    \"\"\"Its worker's pid.\n\n    Args:\n"
+                 "        text: anything\n    \"\"\"\n    return str(os.getpid())\n", encoding="utf-8")
+    tools = load_tools(["calculator", f"{f}:pid"])
+    runner = ToolRunner(tools, 10.0, 200)
+    try:
+        runner.warm()
+        slot = runner._pools["pid"].slots[0]
+        deadline = time.monotonic() + 30
+        while slot.channel is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert slot.channel is not None and list(runner._pools) == ["pid"]
+        started = slot.generation
+        result = runner.call("pid", {"text": "x"}).wait()
+        assert result.error is None and result.text.isdigit() and int(result.text) != os.getpid()
+        assert slot.generation == started and len(runner._pools["pid"].slots) == 1  # the same worker answered
+    finally:
+        runner.close()
