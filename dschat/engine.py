@@ -42,9 +42,9 @@ deepspeed.utils.logger.setLevel(logging.WARNING)
 def setup_distributed() -> None:
     """Join (or create) the process group. Without a launcher this is a world of one on a free local port."""
     global _CPU_GROUP
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())  # before any group: NCCL binds to the current device
     if not (dist.is_available() and dist.is_initialized()):
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank())
         backend = process_group_backend()
         # Under a launcher all four are set. A bare WORLD_SIZE alone (e.g. inherited from a parent process that
         # set up its own world of one) must not send DeepSpeed looking for MPI.
@@ -59,8 +59,6 @@ def setup_distributed() -> None:
         _CPU_GROUP = dist.new_group(backend="gloo")  # every rank calls this, in the same order
     with _without_shm_comm_op():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank())
     prefer_attention_kernels()
 
 

@@ -188,8 +188,7 @@ class DschatBackend(OwnWeights):
             self.graphs.release()
 
     def close(self) -> None:
-        if self.graphs is not None:
-            self.graphs.release()
+        self.release()
 
     def _lean_or_refuse(self, module: torch.nn.Module, total: int) -> None:
         ok, why = LeanLlama.supported(module, total)
@@ -233,8 +232,7 @@ class DschatBackend(OwnWeights):
         try:
             return self._generate(module, prompt, prompt_mask, config, eos_token_id, pad_token_id)
         except BaseException:
-            if self.graphs is not None:  # a caller that retries on halves after an OOM starts with nothing held
-                self.graphs.release()
+            self.release()  # a caller that retries on halves after an OOM starts with nothing held
             raise
 
     def _generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,

@@ -152,17 +152,14 @@ class GraphCache:
             self.steps.popitem(last=False)
         return step
 
-    def clear(self) -> None:
-        self.steps.clear()
-        self.pool = None
-
     def release(self) -> None:
         """Free every capture, its static KV cache and the graphs' memory pool; on CUDA the allocator's cached
         blocks go back to the device as well (a freed graph pool is reusable only once returned). Nothing to do
         when nothing is held."""
         if not self.steps and self.pool is None:
             return
-        self.clear()
+        self.steps.clear()
+        self.pool = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # no replay may still be reading what is freed
             torch.cuda.empty_cache()
