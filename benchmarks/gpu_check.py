@@ -529,10 +529,11 @@ class Decoder:
         return HFBackend()
 
     @staticmethod
-    def eager(**kw: Any) -> Any:
-        from dschat.generation.decode import DschatBackend
+    def eager(kind: str = "dschat", **kw: Any) -> Any:
+        """dschat's loop with the step of ``kind``: ``dschat`` (eager), ``compiled`` or ``graph``."""
+        from dschat.generation.decode import CompiledBackend, DschatBackend, GraphBackend
 
-        return DschatBackend(**kw)
+        return {"dschat": DschatBackend, "compiled": CompiledBackend, "graph": GraphBackend}[kind](**kw)
 
     def sync(self) -> None:
         import torch
@@ -544,13 +545,13 @@ class Decoder:
                  logprobs: bool = False) -> Any:
         import torch
 
-        from dschat.generation.backends import generate_with
-        from dschat.generation.decode import GenerationConfig
+        from dschat.generation.backends import generate
+        from dschat.generation.decode import GenerationConfig, Prompts
 
         cfg = GenerationConfig(max_new_tokens=n, do_sample=not greedy, logprobs=logprobs)
         torch.manual_seed(seed)
         with torch.no_grad():
-            return generate_with(backend, m, self.ids, self.mask, cfg, self.tok.eos_token_id, self.tok.pad_token_id)
+            return generate(backend, m, Prompts(self.ids, self.mask, self.tok.eos_token_id, self.tok.pad_token_id), cfg)
 
     def captures(self, backend: Any) -> int:
         graphs = getattr(backend, "graphs", None)
@@ -616,11 +617,11 @@ def compile_backends(d: Decoder) -> list[tuple[str, Any, Any, bool]]:
 
     def default_compile() -> Any:
         D._compiled_step = None
-        return d.eager(compiled=True)
+        return d.eager("compiled")
 
     def reduce_overhead() -> Any:
         D._compiled_step = torch.compile(LeanLlama.step, mode="reduce-overhead")
-        return d.eager(compiled=True)
+        return d.eager("compiled")
 
     class HFStatic(D.HFBackend):
         """HF generate with its static cache, whose forward transformers compiles."""
@@ -643,7 +644,7 @@ def decode_backends(d: Decoder, compile_variants: bool) -> list[tuple[str, Any, 
     the others: dschat's loader has turned it off for the process, and they turn it back on."""
     model = lambda: d.model
     out: list[tuple[str, Any, Any, bool]] = [("dschat", d.eager, model, False),
-                                              ("graph", lambda: d.eager(graph=True), model, False),
+                                              ("graph", lambda: d.eager("graph"), model, False),
                                               ("hf", d.hf, model, False),
                                               ("dschat_growing", lambda: d.eager(constant_shapes=False), model, False),
                                               ("hf_plain", d.hf, d.plain_model, False)]

@@ -25,8 +25,23 @@ from dschat.errors import UserError
 
 # --generation-backend: what samples (dschat.generation.backends)
 BACKENDS = ("auto", "vllm", "dschat", "graph", "compiled", "hf")
+
 # --report-to: where the metrics go (dschat.training.run_tracker, dschat.training.sinks)
 REPORT_TO = ("tensorboard", "jsonl", "wandb", "mlflow", "trackio")
+
+
+def backend_help(fallback: str) -> str:
+    """``--generation-backend``'s help, one text for every command that samples: what each name runs, and what
+    ``auto`` picks (``dschat.generation.backends.resolve_backend``); ``fallback`` is the command's pick where
+    neither vLLM nor the captured step runs the model (stage 3: dschat; ``dschat chat`` and the judge: hf)."""
+    return ("What samples: vllm (a vLLM engine beside the model, its weights pushed and checked after every update "
+            "of a trained one; pip install -r requirements-vllm.txt), dschat (our loop: a preallocated KV cache, a "
+            "lean per-token forward for Llama-architecture models; in stage 3 the sampling pass's log-probs reused "
+            "as PPO's old log-probs in fp32), graph (the same loop with its token step captured as a CUDA graph per "
+            "batch and cache-width bucket; CUDA, Llama-architecture models), compiled (the step compiled by "
+            "torch.compile; tens of seconds to compile on first use), hf (transformers' generate); auto = vllm on a "
+            "GPU where it is installed and runs the model, else graph on a GPU for a Llama-architecture model "
+            f"(without LoRA-wrapped layers), else {fallback}.")
 
 
 def arg(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, hidden: bool = False,

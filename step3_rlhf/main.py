@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 def run(cfg: RLHFConfig) -> dict[str, Any]:
     # The training stack (torch, DeepSpeed, transformers) is imported by the run, not by the module: declaring the
     # flags (``--help``, ``dschat plan``, ``dschat doctor``) needs none of it.
-    from dataclasses import replace
 
     import torch
 
@@ -38,7 +37,6 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     from dschat.data import load_phase
     from dschat.demo import demo_data
     from dschat.errors import UserError
-    from dschat.evaluation.policy import eval_scalars, source_summary, summarize
     from dschat.generation.decode import GenerationConfig
     from dschat.generation.hybrid_engine import make_hybrid_engine
     from dschat.models.loading import load_tokenizer, resolve_model
@@ -46,6 +44,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     from dschat.rlhf.config import check_config, check_reward_data
     from dschat.rlhf.ema import ActorEMA
     from dschat.rlhf.engines import build_models
+    from dschat.rlhf.evaluation import eval_scalars, source_summary, summarize
     from dschat.rlhf.scoring import RM, build_scorer
     from dschat.training.checkpoint import save_hf
     from dschat.training.health import Context, HealthMonitor
@@ -76,9 +75,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     # 1. the engines, the generation path, the reward sources
     models = build_models(cfg, optimizer_steps)
     hybrid = make_hybrid_engine(models.actor, tok, rl.enable_hybrid_engine, rl.generation_backend, cfg.vllm,
-                                max_model_len=d.max_prompt_seq_len + rl.max_answer_seq_len)
+                                max_model_len=d.max_prompt_seq_len + rl.max_answer_seq_len, agent=agent)
     scorer = build_scorer(cfg, models) if cfg.reward_func_names() else None  # DPO without rewards: none
-    gen = replace(GenerationConfig.from_flags(rl), agent=agent)
+    gen = GenerationConfig.from_flags(rl)
     ema = ActorEMA(models.actor, cfg.engines.ema_decay) if cfg.engines.enable_ema else None
 
     # 2. resume: the trained engines, the algorithm's state, the prompt stream's position, the shuffle generator
@@ -91,10 +90,10 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
     if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
-    algo = Algo(cfg, models, hybrid, scorer, gen, shuffle, ema, state)
+    algo = Algo(cfg, models, hybrid, scorer, gen, shuffle, ema, loop)
     stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
-    agent = f" | {gen.agent.describe()}" if gen.agent is not None else ""
-    stage.log(f"actor {cfg.actor.model} | {algo.describe()}{agent} | prompts {len(data.train)} "
+    tools = f" | {agent.describe()}" if agent is not None else ""
+    stage.log(f"actor {cfg.actor.model} | {algo.describe()}{tools} | prompts {len(data.train)} "
               f"(eval {len(data.eval)}) | "
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
               f"{cfg.actor_engine.zero_stage} | world {E.world_size()} | sampling on {hybrid.backend.name}")
@@ -139,8 +138,8 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
         remote = any(is_remote(name) for name in cfg.reward_func_names())
         for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote):
             try:
-                if gen.agent is not None:
-                    gen.agent.take_metrics()  # the step's episodes alone, not an evaluation's before it
+                if agent is not None:
+                    agent.take_metrics()  # the step's episodes alone, not an evaluation's before it
                 metrics, dropped = algo.step(stream)
             except RewardServerDown as e:  # scoring comes before the update: keep the last completed step
                 saved = loop.save_last_step()
@@ -149,7 +148,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                 raise RewardServerDown(f"{e}; {where}") from None
             dropped_total += dropped
             metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
-                            **hybrid.sync_metrics(), **(gen.agent.take_metrics() if gen.agent is not None else {})})
+                            **hybrid.sync_metrics(), **(agent.take_metrics() if agent is not None else {})})
             for name, engine in models.trained.items():
                 if norms := E.take_grad_norms(engine):
                     metrics[f"train/{name}_grad_norm"] = max(norms)

@@ -3,7 +3,8 @@ check them before any model does."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dschat.agents.calls import CALL_CLOSE
@@ -11,6 +12,43 @@ from dschat.agents.env import EnvHosts, EnvSession, LocalSession
 from dschat.agents.tools import ERROR_KINDS, Tool, ToolRunner
 from dschat.agents.worker import ERROR_KINDS_ENV
 from dschat.errors import UserError
+
+
+@dataclass
+class EpisodeCounts:
+    """What episodes did, added up: one row's (``Episodes``), a batch's, and a run's since its metrics were last
+    taken (``Agent.counts``). ``kinds`` counts tool results and environment replies by kind (``tool_<kind>``: one of
+    ``ERROR_KINDS`` or ``truncated``; ``env_<kind>``: one of ``ERROR_KINDS_ENV`` or ``truncated``)."""
+
+    episodes: int = 0
+    turns: int = 0
+    calls: int = 0  # tool calls, malformed ones too
+    errors: int = 0  # tool errors (malformed calls too) and environment errors
+    policy_tokens: int = 0
+    context_tokens: int = 0  # tool results and observations: fed, never trained on
+    kinds: Counter[str] = field(default_factory=Counter)
+
+    def __iadd__(self, other: EpisodeCounts) -> EpisodeCounts:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def metrics(self, with_env: bool) -> dict[str, float]:
+        """Per episode the turns, tool calls and errors, the share of the episodes' tokens that are context
+        (masked from the loss), and the counts by kind (``episode/tool_<kind>``, ``episode/env_<kind>`` where
+        the run has environments); empty when no episode ran."""
+        if not self.episodes:
+            return {}
+        n, tokens = self.episodes, self.policy_tokens + self.context_tokens
+        out = {"episode/turns": self.turns / n, "episode/tool_calls": self.calls / n,
+               "episode/tool_errors": self.errors / n,
+               "episode/masked_token_frac": self.context_tokens / tokens if tokens else 0.0}
+        for kind in (*ERROR_KINDS, "truncated"):
+            out[f"episode/tool_{kind}"] = float(self.kinds[f"tool_{kind}"])
+        if with_env:
+            for kind in (*ERROR_KINDS_ENV, "truncated"):
+                out[f"episode/env_{kind}"] = float(self.kinds[f"env_{kind}"])
+        return out
 
 
 @dataclass
@@ -24,10 +62,11 @@ class Agent:
     envs: dict[str, Any]
     env_column: str
     max_turns: int
+    # the run's episodes since ``take_metrics`` last emptied it (stage 3 adds each sampled batch's)
+    counts: EpisodeCounts = field(default_factory=EpisodeCounts, repr=False)
+    said_env_error: bool = field(default=False, repr=False)  # the first environment error is printed, once a run
     _closers: dict[int, set[int]] = field(default_factory=dict, repr=False)
     _hosts: EnvHosts | None = field(default=None, repr=False)
-    env_counts: dict[str, int] = field(default_factory=lambda: {"truncated": 0, **{k: 0 for k in ERROR_KINDS_ENV}},
-                                       repr=False)
 
     def env_name(self, fields: dict[str, Any], where: str = "") -> str | None:
         """The environment of a row with these fields: none without --env, the only one, or the one the row's
@@ -79,38 +118,10 @@ class Agent:
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools]
 
-    _totals: dict[str, float] = field(default_factory=dict, repr=False)
-    _runner_seen: dict[str, int] = field(default_factory=dict, repr=False)
-    _env_seen: dict[str, int] = field(default_factory=dict, repr=False)
-
-    def record(self, episodes: int, turns: int, calls: int, errors: int, policy_tokens: int,
-               context_tokens: int) -> None:
-        """Add a sampled batch of episodes to what ``take_metrics`` reports."""
-        for k, v in (("episodes", episodes), ("turns", turns), ("calls", calls), ("errors", errors),
-                     ("policy_tokens", policy_tokens), ("context_tokens", context_tokens)):
-            self._totals[k] = self._totals.get(k, 0) + v
-
     def take_metrics(self) -> dict[str, float]:
-        """Since the last call: per episode the turns, tool calls and errors (a tool's or an environment's, and
-        malformed calls), the share of the episodes' tokens that are context (masked from the loss), and the
-        runner's counts by kind (``episode/tool_<kind>``); empty when no episode ran."""
-        t, self._totals = self._totals, {}
-        counts = dict(self.runner.counts)
-        seen, self._runner_seen = self._runner_seen, counts
-        if not t.get("episodes"):
-            return {}
-        n, tokens = t["episodes"], t["policy_tokens"] + t["context_tokens"]
-        out = {"episode/turns": t["turns"] / n, "episode/tool_calls": t["calls"] / n,
-               "episode/tool_errors": t["errors"] / n,
-               "episode/masked_token_frac": t["context_tokens"] / tokens if tokens else 0.0}
-        for kind in (*ERROR_KINDS, "truncated"):
-            out[f"episode/tool_{kind}"] = float(counts.get(kind, 0) - seen.get(kind, 0))
-        if self.envs:
-            env, env_seen = dict(self.env_counts), self._env_seen
-            self._env_seen = env
-            for kind in (*ERROR_KINDS_ENV, "truncated"):
-                out[f"episode/env_{kind}"] = float(env.get(kind, 0) - env_seen.get(kind, 0))
-        return out
+        """The episodes' metrics since the last call (``EpisodeCounts.metrics``), and the counts emptied."""
+        counts, self.counts = self.counts, EpisodeCounts()
+        return counts.metrics(with_env=bool(self.envs))
 
     def describe(self) -> str:
         parts = []

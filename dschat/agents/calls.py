@@ -8,7 +8,7 @@ templates use: Qwen2.5, Qwen3, Hermes):
 - the short form ``calculator(13*17)``, for a tool with one required parameter: the text between the
   parentheses is that parameter's value.
 
-What answers a call, and an environment's observation, are *turns* (``Turns``): with a chat template that renders
+What answers a call, and an environment's observation, are *turns* (``TurnText``): with a chat template that renders
 tool messages (``tools`` in its source), the template's own rendering of a ``tool`` (or ``user``) message after
 the assistant's, up to the next assistant turn; otherwise the plain format, `` <tool_response>RESULT</tool_response>``
 after the call and ``\\n\\nHuman: OBSERVATION\\n\\nAssistant:`` (the rm-static turn) after an answer.
@@ -31,6 +31,16 @@ _A, _R = "\x00A\x00", "\x00R\x00"  # placeholders whose rendering is cut out of 
 
 class CallError(ValueError):
     """A call that cannot be parsed: the reason, one line (it goes back to the policy as the error turn)."""
+
+
+class ArgumentsError(CallError):
+    """A call's arguments that are no object: ``reason`` says why (``json``: not JSON, ``detail`` the parser's
+    message; ``depth``: nested too deeply to parse; ``type``: not an object, ``detail`` its type's name), so each
+    reader words it for its own audience (the policy's error turn, a data row's error)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"arguments: {reason}{': ' + detail if detail else ''}")
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -57,6 +67,22 @@ def open_call(text: str) -> str | None:
     return text[start + len(CALL_OPEN): -len(CALL_CLOSE)] if start >= 0 else ""
 
 
+def parse_arguments(args: Any) -> dict[str, Any]:
+    """A call's arguments as an object: an object as it is, a JSON string holding one parsed (a blank string: no
+    arguments); anything else raises ``ArgumentsError``. The one reading of arguments, for the calls a policy
+    writes (``parse_call``) and for the ``tool_calls`` of a data row's messages (``dschat.data.formats``)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            raise ArgumentsError("json", str(e)) from None
+        except RecursionError:
+            raise ArgumentsError("depth") from None
+    if not isinstance(args, dict):
+        raise ArgumentsError("type", type(args).__name__)
+    return args
+
+
 def parse_call(body: str, one_parameter: dict[str, str]) -> Call:
     """The call in ``body`` (what stood between the markers); ``one_parameter`` maps each tool that has a single
     required parameter to its name (the short form's target)."""
@@ -70,14 +96,11 @@ def parse_call(body: str, one_parameter: dict[str, str]) -> Call:
             raise CallError(f"the call is not JSON ({str(e).splitlines()[0][:80]})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise CallError('the call must be {"name": ..., "arguments": {...}}')
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise CallError("the call's arguments are not JSON") from None
-        if not isinstance(args, dict):
-            raise CallError("the call's arguments must be an object")
+        try:
+            args = parse_arguments(obj.get("arguments", obj.get("parameters", {})))
+        except ArgumentsError as e:
+            raise CallError("the call's arguments must be an object" if e.reason == "type"
+                            else "the call's arguments are not JSON") from None
         return Call(obj["name"], args)
     m = _SHORT.match(body)
     if not m:
@@ -96,7 +119,7 @@ def renders_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template and "tool" in template
 
 
-class Turns:
+class TurnText:
     """The text of the turns an episode appends: a tool's result after a call, an observation after an answer."""
 
     def __init__(self, tokenizer: Any):

@@ -22,6 +22,7 @@ functions is its whole continuation (calls, results, observations and answers), 
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,24 +30,28 @@ from typing import Any
 
 import torch
 
-from dschat.agents.agent import Agent
-from dschat.agents.calls import CALL_OPEN, CallError, Turns, open_call, parse_call
+from dschat.agents.agent import Agent, EpisodeCounts
+from dschat.agents.calls import CALL_OPEN, CallError, TurnText, open_call, parse_call
 from dschat.agents.env import EnvCall, EnvReply
-from dschat.agents.tools import ToolCall
+from dschat.agents.tools import ToolCall, ToolResult
 
-SAMPLE, FORCE, WAIT, DONE = range(4)
+
+class Mode(enum.Enum):
+    """What a row does with the next column (the module docstring says each)."""
+
+    SAMPLE = "sample"
+    FORCE = "force"
+    WAIT = "wait"
+    DONE = "done"
 
 
 @dataclass
 class _Row:
-    mode: int = SAMPLE
+    mode: Mode = Mode.SAMPLE
     turn: list[int] = field(default_factory=list)  # the policy's tokens of the current turn
     forced: deque[int] = field(default_factory=deque)
     call: ToolCall | EnvCall | None = None  # a tool's call, or the environment's step, in flight
-    turns: int = 0
-    calls: int = 0
-    errors: int = 0
-    malformed: int = 0
+    counts: EpisodeCounts = field(default_factory=lambda: EpisodeCounts(episodes=1))  # this row's episode
     env: Any = None
     env_reward: float = 0.0
     finished: bool = False  # ended by the policy's EOS or the environment (not by a budget)
@@ -77,21 +82,23 @@ class EpisodeInfo:
 
 class Episodes:
     """One batch of episodes (rows in the order of the prompts), driven by the decode loop: ``start`` before the
-    first token, ``advance`` at every token, ``info`` after the last."""
+    first token, ``advance`` at every token, ``info`` and ``counts`` after the last. (On a backend that samples
+    whole answers, ``dschat.generation.turns`` drives the same rows through ``step_row`` and ``sampling``.)"""
+
+    host_every_token = True  # each row's say is decided on the host, at every token
 
     def __init__(self, agent: Agent, tokenizer: Any, rows: list[dict[str, Any]], eos_ids: list[int],
                  pad_token_id: int):
         self.agent, self.tokenizer, self.rows = agent, tokenizer, rows
         self.eos = set(eos_ids)
         self.pad = pad_token_id
-        self.turns = Turns(tokenizer)
+        self.text = TurnText(tokenizer)
         self.state = [_Row() for _ in rows]
         self.one_parameter = {t.name: t.required[0] for t in agent.tools if len(t.required) == 1}
         # called as things happen: (row, kind, text), kind one of turn (the policy's finished turn), call (a call's
         # body), result (a tool's answer), observation (an environment's); ``dschat chat`` shows them
         self.on_event: Any = None
         self.may_close = agent.may_close(tokenizer)
-        self.errors = {"env": 0}
         self._sessions: list[Any] = []  # each row's environment, closed when its episode ends or this batch goes
         weakref.finalize(self, _close_all, self._sessions)
 
@@ -112,9 +119,9 @@ class Episodes:
             if reply.error is not None:
                 self._env_failed(st, reply)
             elif reply.observation:
-                self._count_truncated(reply)
+                self._count_truncated(st, reply)
                 st.forced.extend(self._ids(reply.observation))
-                st.mode = FORCE
+                st.mode = Mode.FORCE
 
     def _ids(self, text: str) -> list[int]:
         """A turn's ids, encoded on its own: as SFT encodes each turn of a conversation (``data.phases``,
@@ -122,22 +129,27 @@ class Episodes:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _env_failed(self, st: _Row, reply: EnvReply) -> None:
-        st.errors += 1
-        self.errors["env"] += 1
-        self.agent.env_counts[str(reply.error)] = self.agent.env_counts.get(str(reply.error), 0) + 1
+        st.counts.errors += 1
+        st.counts.kinds[f"env_{reply.error}"] += 1
         self._end(st, False)
-        if not getattr(self.agent, "_said_env", False):
+        if not self.agent.said_env_error:
             print(f"[episodes] environment error (the episode ends; counted in episode/tool_errors): {reply.message}",
                   flush=True)
-            self.agent._said_env = True  # type: ignore[attr-defined]
+            self.agent.said_env_error = True
 
-    def _count_truncated(self, reply: EnvReply) -> None:
-        if reply.truncated:
-            self.agent.env_counts["truncated"] = self.agent.env_counts.get("truncated", 0) + 1
+    def _count_truncated(self, st: _Row, reply: EnvReply) -> None:
+        st.counts.kinds["env_truncated"] += reply.truncated
+
+    def _tool_result(self, st: _Row, result: ToolResult) -> None:
+        """A tool's result reaches the row: counted by kind."""
+        st.counts.errors += result.error is not None
+        if result.error is not None:
+            st.counts.kinds[f"tool_{result.error}"] += 1
+        st.counts.kinds["tool_truncated"] += result.truncated
 
     def _end(self, st: _Row, finished: bool) -> None:
         """The row's episode is over (``finished``: by itself, not cut); its environment is let go."""
-        st.mode, st.finished = DONE, finished
+        st.mode, st.finished = Mode.DONE, finished
         if st.env is not None:
             st.env.close()
 
@@ -149,8 +161,8 @@ class Episodes:
         toks = sampled.tolist()
         B = len(toks)
         real, policy, done = [True] * B, [False] * B, [False] * B
-        waiting = [i for i, st in enumerate(self.state) if st.mode == WAIT]
-        if waiting and all(st.mode in (WAIT, DONE) for st in self.state):
+        waiting = [i for i, st in enumerate(self.state) if st.mode is Mode.WAIT]
+        if waiting and all(st.mode in (Mode.WAIT, Mode.DONE) for st in self.state):
             self.state[waiting[0]].call.wait()  # every unfinished row waits: wait for the first tool
         for i in range(B):
             toks[i], real[i], policy[i], done[i] = self.step_row(i, toks[i])
@@ -161,28 +173,28 @@ class Episodes:
         """Row ``i``'s say on its sampled ``tok``: ``(token, real, policy, done)``. ``block``: a row whose tool is
         still running waits for it instead of feeding a masked column."""
         st = self.state[i]
-        if st.mode == WAIT:
+        if st.mode is Mode.WAIT:
             assert st.call is not None
             if not block and not st.call.done():
                 return self.pad, False, False, False
             call, st.call = st.call, None
             if isinstance(call, EnvCall):
-                st.mode = SAMPLE
+                st.mode = Mode.SAMPLE
                 self._stepped(i, st, call.wait())
-                if st.mode != FORCE:  # over, or the policy's turn again: this column stays masked
-                    return self.pad, False, False, st.mode == DONE
+                if st.mode is not Mode.FORCE:  # over, or the policy's turn again: this column stays masked
+                    return self.pad, False, False, st.mode is Mode.DONE
             else:
                 result = call.wait()
-                st.errors += result.error is not None
+                self._tool_result(st, result)
                 self._event(i, "result", result.text)
-                st.forced.extend(self._ids(self.turns.tool_result(result.text)))
-                st.mode = FORCE if st.forced else SAMPLE
-        if st.mode == FORCE:
+                st.forced.extend(self._ids(self.text.tool_result(result.text)))
+                st.mode = Mode.FORCE if st.forced else Mode.SAMPLE
+        if st.mode is Mode.FORCE:
             tok = st.forced.popleft()
             if not st.forced:
-                st.mode = SAMPLE
+                st.mode = Mode.SAMPLE
             return tok, True, False, False
-        if st.mode == DONE:
+        if st.mode is Mode.DONE:
             return self.pad, False, False, True
         st.turn.append(tok)
         if tok in self.eos:
@@ -194,34 +206,33 @@ class Episodes:
                 self._event(i, "turn", turn[: turn.rfind(CALL_OPEN)])
                 self._event(i, "call", body)
                 self._call(st, body)
-        return tok, True, True, st.mode == DONE
+        return tok, True, True, st.mode is Mode.DONE
 
     def sampling(self, i: int) -> bool:
         """Whether row ``i``'s next token is the policy's (not a tool's result, an observation or its end)."""
-        return self.state[i].mode == SAMPLE
+        return self.state[i].mode is Mode.SAMPLE
 
     def _call(self, st: _Row, body: str) -> None:
-        st.turns += 1
+        st.counts.turns += 1
         st.turn = []
-        if st.turns >= self.agent.max_turns:  # the last turn allowed: the call is not run, the episode is cut
+        if st.counts.turns >= self.agent.max_turns:  # the last turn allowed: the call is not run, the episode is cut
             self._end(st, False)
             return
-        st.calls += 1
+        st.counts.calls += 1
         try:
             call = parse_call(body, self.one_parameter)
         except CallError as e:
-            st.malformed += 1
             st.call = self.agent.runner.error("malformed", str(e))
         else:
             st.call = self.agent.runner.call(call.name, call.arguments)
-        st.mode = WAIT
+        st.mode = Mode.WAIT
 
     def _event(self, row: int, kind: str, text: str) -> None:
         if self.on_event is not None:
             self.on_event(row, kind, text)
 
     def _end_turn(self, i: int, st: _Row) -> None:
-        st.turns += 1
+        st.counts.turns += 1
         text = self.tokenizer.decode(st.turn, skip_special_tokens=True)
         st.turn = []
         self._event(i, "turn", text)
@@ -232,23 +243,23 @@ class Episodes:
         if call.done():  # an environment in this process: answered already
             self._stepped(i, st, call.wait())
         else:
-            st.call, st.mode = call, WAIT
+            st.call, st.mode = call, Mode.WAIT
 
     def _stepped(self, i: int, st: _Row, reply: EnvReply) -> None:
         """The environment's answer to row ``i``'s finished turn."""
         if reply.error is not None:
             self._env_failed(st, reply)
             return
-        self._count_truncated(reply)
+        self._count_truncated(st, reply)
         st.env_reward += reply.reward
         if reply.done:
             self._end(st, True)
-        elif st.turns >= self.agent.max_turns:
+        elif st.counts.turns >= self.agent.max_turns:
             self._end(st, False)  # cut: the environment had more to say
         elif reply.observation:
             self._event(i, "observation", reply.observation)
-            st.forced.extend(self._ids(self.turns.observation(reply.observation)))
-            st.mode = FORCE
+            st.forced.extend(self._ids(self.text.observation(reply.observation)))
+            st.mode = Mode.FORCE
 
     # ------------------------------------------------------------------------------------------- results
     def finished(self) -> list[bool]:
@@ -260,8 +271,17 @@ class Episodes:
                                             skip_special_tokens=True)
         return EpisodeInfo(texts, real.sum(-1).tolist(),
                            [st.env_reward if st.env is not None or self.agent.envs else None for st in self.state],
-                           [st.turns for st in self.state], [st.calls for st in self.state],
-                           [st.errors for st in self.state])
+                           [st.counts.turns for st in self.state], [st.counts.calls for st in self.state],
+                           [st.counts.errors for st in self.state])
+
+    def counts(self, real: torch.Tensor, policy: torch.Tensor) -> EpisodeCounts:
+        """The batch's counts (every row's, and its policy and context tokens from the masks ``(B, A)``)."""
+        total = EpisodeCounts()
+        for st in self.state:
+            total += st.counts
+        total.policy_tokens = int(policy.sum())
+        total.context_tokens = int(real.sum()) - total.policy_tokens
+        return total
 
 
 def _close_all(sessions: list[Any]) -> None:

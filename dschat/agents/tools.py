@@ -221,7 +221,10 @@ def load_tools(specs: list[str]) -> list[Tool]:
 
 
 # ------------------------------------------------------------------------------------------------ running
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "junk", "crashed")
+# what a call can come to besides an answer: refused before it runs (the first three), or failed in its worker
+REFUSED_KINDS = ("malformed", "unknown_tool", "bad_arguments")
+RUN_KINDS = ("raised", "timeout", "junk", "crashed")
+ERROR_KINDS = REFUSED_KINDS + RUN_KINDS
 
 
 @dataclass
@@ -256,14 +259,13 @@ def _close_pools(pools: dict[str, ToolPool]) -> None:
 
 
 class ToolRunner:
-    """Calls tools by name with parsed arguments under ``timeout`` seconds, and counts what happened (``counts``:
-    calls and each error kind). A user's tool runs in worker processes (``ToolPool``), started on its first call
-    and killed by ``close()``, when the runner is collected, or at the run's end."""
+    """Calls tools by name with parsed arguments under ``timeout`` seconds; each result says what it came to (its
+    ``error`` kind, ``truncated``), which the episodes count. A user's tool runs in worker processes (``ToolPool``),
+    started on its first call and killed by ``close()``, when the runner is collected, or at the run's end."""
 
     def __init__(self, tools: list[Tool], timeout: float = 10.0, max_output: int = 2000):
         self.tools = {t.name: t for t in tools}
         self.timeout, self.max_output = timeout, max_output
-        self.counts: dict[str, int] = {"calls": 0, "truncated": 0, **{k: 0 for k in ERROR_KINDS}}
         self._pools: dict[str, ToolPool] = {}
         self._closer = weakref.finalize(self, _close_pools, self._pools)
 
@@ -272,9 +274,7 @@ class ToolRunner:
         _close_pools(self._pools)
 
     def error(self, kind: str, message: str) -> ToolCall:
-        """A call that fails before it runs (a malformed call, an unknown tool): its error result, counted."""
-        self.counts["calls"] += 1
-        self.counts[kind] += 1
+        """A call that fails before it runs (a malformed call, an unknown tool): its error result."""
         return ToolCall(ToolResult(f"error: {message}", kind))
 
     def call(self, name: str, arguments: dict[str, Any]) -> ToolCall:
@@ -287,16 +287,14 @@ class ToolRunner:
         if missing or unknown:
             what = f"missing {', '.join(missing)}" if missing else f"unknown argument {unknown[0]!r}"
             return self.error("bad_arguments", f"{name}: {what}")
-        self.counts["calls"] += 1
         started = time.monotonic()
 
         def finish(reply: dict[str, Any]) -> ToolResult:
             return self._result(name, reply, time.monotonic() - started)
 
-        if tool.source is None:  # the calculator (bounded), or a function given as an object: in this process
-            reply = call_tool(tool.fn, arguments, self.max_output,
-                             capture=all(tool.fn is not f for f in BUILTINS.values()))
-            return ToolCall(finish(reply))
+        if tool.source is None:  # the calculator (bounded), or a function given as an object: in this process,
+            # its prints not captured (sys.stdout is the whole process's); its return value is its answer
+            return ToolCall(finish(call_tool(tool.fn, arguments, self.max_output)))
         return ToolCall(job=self._pool(name).submit(arguments), finish=finish)
 
     def _pool(self, name: str) -> ToolPool:
@@ -324,8 +322,7 @@ class ToolRunner:
         if kind is None and not (isinstance(text, str) and isinstance(reply.get("truncated", False), bool)):
             kind, message = "crashed", "its process sent a reply that is not one"
         if kind is not None:
-            kind = kind if kind in ("raised", "junk", "timeout", "crashed") else "crashed"
-            self.counts[kind] += 1
+            kind = kind if kind in RUN_KINDS else "crashed"
             said = {"timeout": f"{name} timed out after {self.timeout:g} s",
                     "raised": f"{name} raised {message}",
                     "junk": f"{name} returned {message}",
@@ -334,6 +331,5 @@ class ToolRunner:
         text = clean(text)
         truncated = bool(reply.get("truncated")) or len(text) > self.max_output
         if truncated:
-            self.counts["truncated"] += 1
             text = text[: self.max_output] + " ...[truncated]"
         return ToolResult(text, None, truncated, seconds)

@@ -123,7 +123,8 @@ def settle(value: Any) -> Any:
 
 
 class _Printed:
-    """``sys.stdout`` during a tool call: what the tool prints, kept up to one character past the cap."""
+    """``sys.stdout`` of a worker process during a tool call: what the tool prints, kept up to one character past
+    the cap."""
 
     def __init__(self, limit: int):
         self.parts: list[str] = []
@@ -145,9 +146,15 @@ class _Printed:
         return "".join(self.parts)
 
 
-def call_tool(fn: Callable[..., Any], arguments: dict[str, Any], limit: int, capture: bool = True) -> dict[str, Any]:
-    """``fn(**arguments)`` as a reply: ``{"text", "truncated"}`` or ``{"error": raised | junk, "message"}``."""
+def call_tool(fn: Callable[..., Any], arguments: dict[str, Any], limit: int) -> dict[str, Any]:
+    """``fn(**arguments)`` as a reply: ``{"text", "truncated"}`` or ``{"error": raised | junk, "message"}``.
+
+    In a worker (this file run as the program: a process of the tool's own) what the tool prints is the answer
+    when it returns None: ``sys.stdout`` is the call's buffer while it runs. Anywhere else (the run's process: the
+    calculator, a function given as an object) ``sys.stdout`` is the process's, shared with every thread, so it is
+    left alone: the tool's prints go where the process's go, and its return value is its answer (None: empty)."""
     printed = _Printed(limit)
+    capture = __name__ == "__main__"
     saved = sys.stdout
     if capture:
         sys.stdout = printed  # type: ignore[assignment]

@@ -8,13 +8,16 @@ The session itself (prompt fitting, stop strings, streaming) is ``dschat.generat
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from typing import Any, TextIO
 
 import click
 
-from dschat.config import BACKENDS
-from dschat.devices import DTYPES, pick_device, resolve_dtype
+from dschat.cli.options import DeclaredFlagsCommand, declared_config, given_flags, refuse_given
+from dschat.config import AgentArgs, ModelArgs, backend_help, piece
+from dschat.devices import pick_device, resolve_dtype
 from dschat.errors import UserError
 from dschat.prompts import Messages
 
@@ -65,7 +68,31 @@ def interactive(bot: Any, system: str | None, out: TextIO, banner: str) -> None:
         messages = kept + [{"role": "assistant", "content": answer}]
 
 
-@click.command("chat")
+# auto's fallback in chat: HF generate (it reads the model's own generation config), dschat's loop for an episode
+BACKEND_HELP = (backend_help("hf (dschat's loop with --tools or --env)")
+                + " vLLM writes the answer when it is complete, not token by token.")
+
+
+@functools.cache
+def chat_flags() -> type:
+    """``ChatFlags``: the flags ``dschat chat`` shares with the commands that sample, from their declarations (made
+    when the command parses its arguments or shows its help: stage 3's pieces are imported then). Chat keeps its
+    own sampling defaults (temperature 0.7, top-p 0.9), and its ``auto`` falls back to HF generate."""
+    from dschat.rlhf.config import RLArgs
+
+    return dataclasses.make_dataclass("ChatFlags", [
+        ("model", ModelArgs, piece(ModelArgs, only=("dtype", "trust_remote_code"))),
+        ("rl", RLArgs, piece(RLArgs, only=("temperature", "top_p", "top_k", "generation_backend"),
+                             defaults={"temperature": 0.7, "top_p": 0.9}, help={"generation_backend": BACKEND_HELP})),
+        ("agent", AgentArgs, dataclasses.field(default_factory=AgentArgs)),
+    ])
+
+
+# What --greedy leaves without effect: it always takes the likeliest token.
+GREEDY_INERT = {n: "with --greedy" for n in ("temperature", "top_p", "top_k", "seed")}
+
+
+@click.command("chat", cls=DeclaredFlagsCommand, flags=chat_flags, context_settings={"max_content_width": 110})
 @click.option("--model", required=True,
               help="Model: a folder (a stage output folder stands for its actor/ or model/), an HF id in the "
                    "cache, an alias or the preset 'tiny'.")
@@ -73,56 +100,32 @@ def interactive(bot: Any, system: str | None, out: TextIO, banner: str) -> None:
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--max-new-tokens", "--max_new_tokens", "max_new_tokens", type=click.IntRange(min=1), default=256,
               show_default=True, help="Longest answer in tokens.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
-              help="Sampling temperature (0 = greedy).")
-@click.option("--top-p", "--top_p", "top_p", type=click.FloatRange(0, 1, min_open=True), default=0.9,
-              show_default=True, help="Nucleus sampling: keep the smallest set of tokens with this much mass.")
-@click.option("--top-k", "--top_k", "top_k", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Sample among the k likeliest tokens (0 = no limit).")
-@click.option("--greedy", is_flag=True, help="Always take the likeliest token (ignores the sampling flags).")
+@click.option("--greedy", is_flag=True, help="Always take the likeliest token (--temperature, --top-p, --top-k and "
+                                             "--seed then have no effect).")
 @click.option("--repetition-penalty", "--repetition_penalty", "repetition_penalty",
               type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Divide the logits of already generated tokens by this (1 = off).")
 @click.option("--seed", type=int, default=None, help="Seed the sampler, so the same flags give the same answers.")
 @click.option("--device", default="auto", show_default=True,
               help="auto = CUDA when available, else CPU; or e.g. cpu, cuda, cuda:1.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="auto = bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU.")
-@click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
-@click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
-              default="auto", show_default=True,
-              help="What samples: auto = vLLM on a GPU where it is installed, else HF generate; vllm, dschat, "
-                   "compiled, hf. vLLM writes the answer when it is complete, not token by token.")
-@click.option("--tools", multiple=True, help="A tool the model may call (repeatable): calculator or "
-                                            "path/to/file.py:function; each call and its result are shown as they "
-                                            "happen (docs/tools.md).")
-@click.option("--env", multiple=True, help="An environment that answers the model's turns (repeatable: "
-                                          "path/to/file.py:Class), its episode started from your message.")
-@click.option("--max-turns", "--max_turns", "max_turns", type=click.IntRange(min=1), default=4, show_default=True,
-              help="With --tools or --env: most assistant turns in one answer.")
-@click.option("--tool-timeout", "--tool_timeout", "tool_timeout", type=click.FloatRange(min=0, min_open=True),
-              default=10.0, show_default=True,
-              help="With --tools or --env: seconds a tool call, or an environment's reset or step, may take.")
-def chat_command(model: str, prompt: str | None, system: str | None, max_new_tokens: int, temperature: float,
-                 top_p: float, top_k: int, greedy: bool, repetition_penalty: float, seed: int | None, device: str,
-                 dtype: str, trust_remote_code: bool, generation_backend: str, tools: tuple[str, ...],
-                 env: tuple[str, ...], max_turns: int, tool_timeout: float) -> None:
+def chat_command(model: str, prompt: str | None, system: str | None, max_new_tokens: int, greedy: bool,
+                 repetition_penalty: float, seed: int | None, device: str, **declared: Any) -> None:
     """Chat with a model: interactively, or one answer with --prompt (clear resets, quit/exit/Ctrl-D ends)."""
+    given = given_flags()
+    if declared.get("temperature") == 0:  # the other tools' spelling of greedy decoding
+        raise UserError("--temperature must be > 0; for greedy decoding pass --greedy")
+    cfg = declared_config(chat_flags(), declared, given)
+    if greedy:
+        refuse_given(given, GREEDY_INERT)
     if prompt is not None and not prompt.strip():
         raise UserError("--prompt is empty")
     agent = None
-    if tools or env:
+    if cfg.agent.tools or cfg.agent.env:
         from dschat.agents.agent import build_agent
-        from dschat.config import AgentArgs
 
-        agent = build_agent(AgentArgs(tools=list(tools), env=list(env), max_turns=max_turns, tool_timeout=tool_timeout))
+        agent = build_agent(cfg.agent)
         if agent is not None:
             agent.warm()
-    else:
-        given = click.get_current_context().get_parameter_source
-        for name, flag in (("max_turns", "--max-turns"), ("tool_timeout", "--tool-timeout")):
-            if given(name) == click.core.ParameterSource.COMMANDLINE:
-                raise UserError(f"{flag} has no effect without --tools or --env")
     # torch and transformers: see the module docstring
     import torch
     import transformers
@@ -138,12 +141,12 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
     def log(text: str) -> None:
         click.echo(text, err=True)
 
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(cfg.model.dtype, dev)
     if torch_dtype == torch.bfloat16 and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU does not support bfloat16; use fp16")
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    tokenizer = load_tokenizer(path, cfg.model.trust_remote_code)
     try:
-        lm = create_causal_lm(path, torch_dtype, trust_remote_code=trust_remote_code)
+        lm = create_causal_lm(path, torch_dtype, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot load a causal LM ({str(e).strip().splitlines()[0][:200]})") from None
     lm.to(dev).eval()
@@ -151,9 +154,10 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
         from transformers import set_seed
 
         set_seed(seed)
-    bot = Chatbot(lm, tokenizer, dev, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
-                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, log=log,
-                  backend=generation_backend, agent=agent)
+    r = cfg.rl
+    bot = Chatbot(lm, tokenizer, dev, max_new_tokens=max_new_tokens, greedy=greedy, temperature=r.temperature,
+                  top_p=r.top_p, top_k=r.top_k, repetition_penalty=repetition_penalty, log=log,
+                  backend=r.generation_backend, agent=agent)
 
     out = sys.stdout
     if prompt is not None:
@@ -162,6 +166,6 @@ def chat_command(model: str, prompt: str | None, system: str | None, max_new_tok
         out.write("\n")
         out.flush()
         return
-    mode = "sampling" if not greedy and temperature > 0 else "greedy"
+    mode = "greedy" if greedy else "sampling"
     interactive(bot, system, out, f"dschat chat: {path} on {dev} ({str(torch_dtype).removeprefix('torch.')}, "
                                   f"{mode}); 'clear' starts over, 'quit' or Ctrl-D ends.")

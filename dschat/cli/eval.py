@@ -4,7 +4,7 @@
 own evaluation). ``--step 2`` evaluates a reward model (a stage-2 output, or any HF sequence-classification
 folder with one label) on every row of pairwise files (``dschat.evaluation.reward_model``, stage 2's loop). ``--step 3``
 samples a policy's answers to the held-out prompts and scores them with any of stage 3's reward sources, alone or
-against a ``--baseline`` (``dschat.evaluation.saved_policy``). ``--judge`` evaluates a generative judge (RM-R1) on every
+against a ``--baseline`` (``dschat.apps.saved_policy``). ``--judge`` evaluates a generative judge (RM-R1) on every
 row of judge-pairwise files (``dschat.cli.judge``).
 
 Steps 1 and 3 choose their rows as the stages do (``--data-split``, ``--eval-fraction``, ``--max-eval-rows``,
@@ -21,11 +21,20 @@ import functools
 from typing import Any
 
 import click
-from click.core import ParameterSource
 
 from dschat.cli.judge import print_judge_metrics, sampling_options
-from dschat.cli.options import DeclaredFlagsCommand
-from dschat.config import VLLM_FLAGS, AgentArgs, DataArgs, ModelArgs, SFTConfig, VLLMArgs, build_config, piece
+from dschat.cli.options import DeclaredFlagsCommand, given_flags, refuse_given
+from dschat.config import (
+    VLLM_FLAGS,
+    AgentArgs,
+    DataArgs,
+    ModelArgs,
+    SFTConfig,
+    VLLMArgs,
+    backend_help,
+    build_config,
+    piece,
+)
 from dschat.demo import demo_data
 from dschat.errors import UserError
 from dschat.evaluation.judge import evaluate_judge_files
@@ -56,7 +65,8 @@ def eval_flags() -> type:
                            "with the baseline's to each prompt in both orders (the judge's win rate); with "
                            "--reward-funcs judge it is also that reward source (each answer against the row's "
                            "reference answer)."})),
-        ("rl", RLArgs, piece(RLArgs, only=("top_k", "generation_backend"))),
+        ("rl", RLArgs, piece(RLArgs, only=("top_k", "generation_backend"),
+                             help={"generation_backend": backend_help("dschat (--judge: hf)")})),
         ("vllm", VLLMArgs, dataclasses.field(default_factory=VLLMArgs)),
         ("agent", AgentArgs, dataclasses.field(default_factory=AgentArgs)),
     ])
@@ -81,13 +91,6 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
 EVERY_MODE = frozenset({"model", "output", "batch_size", "dtype", "trust_remote_code"})
 
 
-def given_flags() -> dict[str, str]:
-    """The flags given on the command line: parameter name -> its spelling for messages."""
-    ctx = click.get_current_context()
-    return {p.name: p.opts[0] for p in ctx.command.get_params(ctx)
-            if p.name and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
-
-
 def refuse(given: dict[str, str], mode: str) -> None:
     """Stop on the first flag given that does nothing in ``mode`` (one line, exit code 2)."""
     for name, flag in sorted(given.items()):
@@ -97,7 +100,7 @@ def refuse(given: dict[str, str], mode: str) -> None:
 
 def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     """--step 3's settings that do nothing with the chosen reward sources and models."""
-    from dschat.evaluation.saved_policy import reward_sources  # torch: imported when the command runs
+    from dschat.apps.saved_policy import reward_sources  # torch: imported when the command runs
     from dschat.rewards.names import reward_sources as sources_of
     from dschat.rewards.remote import is_remote
     from dschat.rlhf.config import REMOTE_FLAGS, check_agent, vllm_inert
@@ -120,10 +123,8 @@ def refuse_step3(given: dict[str, str], cfg: Any, baseline: str) -> None:
     inert.update(cfg.agent.inert_fields())
     if not (cfg.agent.tools or cfg.agent.env) or not baseline:
         inert["baseline_without_tools"] = "without --baseline and --tools or --env"
-    for name, why in sorted(inert.items()):
-        if name in given:
-            raise UserError(f"{given[name]} has no effect {why}")
-    check_agent(cfg.agent, cfg.rl.generation_backend, names)
+    refuse_given(given, inert)
+    check_agent(cfg.agent, names)
 
 
 def log(text: str) -> None:
@@ -184,7 +185,7 @@ def eval_command(step: int, judge: bool, model: str, baseline: str, baseline_wit
                   "top_p": top_p, "per_device_eval_batch_size": batch_size, "seed": seed, "progress": progress}
         cfg = build_config(RLHFConfig, {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
         refuse_step3(given, cfg, baseline)
-        from dschat.evaluation.saved_policy import evaluate_policy  # torch: imported when the command runs
+        from dschat.apps.saved_policy import evaluate_policy  # torch: imported when the command runs
 
         metrics = evaluate_policy(cfg, baseline, num_samples, default_data=demo_data, progress=progress, log=log,
                                   baseline_tools=not baseline_without_tools)

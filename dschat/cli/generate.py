@@ -1,5 +1,5 @@
 """``dschat generate``: N samples per prompt from a saved model, scored, kept as SFT rows (best-of-n, rejection
-sampling, distillation from a teacher) or pairwise rows (DPO); see ``dschat.generation.best_of_n``.
+sampling, distillation from a teacher) or pairwise rows (DPO); see ``dschat.apps.best_of_n``.
 
     dschat generate --model out/step1 --data prompts.jsonl --num-samples 8 --reward-model out/step2 \\
         --keep best --output best.jsonl
@@ -24,13 +24,13 @@ HELP = ("Sample N answers per prompt from a saved model, score them (--reward-mo
 
 
 def _config() -> type:
-    from dschat.generation.best_of_n import GenerateConfig
+    from dschat.apps.best_of_n import GenerateConfig
 
     return GenerateConfig
 
 
 def _run(cfg: Any) -> dict[str, Any]:
-    from dschat.generation.best_of_n import generate
+    from dschat.apps.best_of_n import generate
 
     return generate(cfg)
 

@@ -9,13 +9,15 @@ imported when a command runs."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from typing import Any
 
 import click
 
-from dschat.config import BACKENDS
-from dschat.devices import DTYPES
+from dschat.cli.options import DeclaredFlagsCommand, declared_config, given_flags, refuse_given
+from dschat.config import ModelArgs, backend_help, piece
 from dschat.errors import UserError
 from dschat.prompts import read_system_prompt
 from dschat.rewards.judge import SamplingArgs, judge_messages, judge_prompts, load_judge, prompt_budget
@@ -66,7 +68,24 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
     click.echo(f"format_rate: {f(m['format_rate'])} (one <think>...</think> then one <answer>...</answer>)")
 
 
-@click.command("judge")
+@functools.cache
+def judge_flags() -> type:
+    """``JudgeFlags``: the flags ``dschat judge`` shares with the commands that sample, from their declarations
+    (made when the command parses its arguments or shows its help: stage 3's pieces are imported then); the
+    judge's ``auto`` falls back to HF generate."""
+    from dschat.rlhf.config import RLArgs
+
+    return dataclasses.make_dataclass("JudgeFlags", [
+        ("model", ModelArgs, piece(ModelArgs, only=("dtype", "trust_remote_code"))),
+        ("rl", RLArgs, piece(RLArgs, only=("generation_backend",), help={"generation_backend": backend_help("hf")})),
+    ])
+
+
+# What one vote leaves without effect: it is greedy.
+ONE_VOTE_INERT = {n: "without --votes > 1 (one vote is greedy)" for n in ("temperature", "top_p", "seed")}
+
+
+@click.command("judge", cls=DeclaredFlagsCommand, flags=judge_flags, context_settings={"max_content_width": 110})
 @click.option("--model", required=True, help="Judge model: a folder (a stage output stands for its actor/ or "
                                              "model/), an HF id in the cache, an alias or 'tiny'.")
 @click.option("--question", required=True, help="The question both answers reply to.")
@@ -75,25 +94,21 @@ def print_judge_metrics(m: dict[str, Any]) -> None:
 @click.option("--system-prompt", "--system_prompt", "system_prompt", default="",
               help="File holding the rubric system message (default: the demo rubric in the question's language).")
 @sampling_options
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
-              help="auto = fp32 on CPU, bf16 (else fp16) on CUDA.")
-@click.option("--trust-remote-code/--no-trust-remote-code", default=False, show_default=True)
-@click.option("--generation-backend", "--generation_backend", "generation_backend", type=click.Choice(BACKENDS),
-              default="auto", show_default=True,
-              help="What samples the judge's completions: auto = vLLM on a GPU where it is installed, else HF "
-                   "generate; vllm, dschat, compiled, hf.")
 def judge_command(model: str, question: str, answer_a: str, answer_b: str, system_prompt: str, votes: int,
-                  max_new_tokens: int, temperature: float, top_p: float, seed: int, dtype: str,
-                  trust_remote_code: bool, generation_backend: str) -> None:
+                  max_new_tokens: int, temperature: float, top_p: float, seed: int, **declared: Any) -> None:
     """Ask a judge which of two answers is better: prints its reasoning, then `verdict: A|B|unparseable`."""
+    given = given_flags()
+    cfg = declared_config(judge_flags(), declared, given)
+    if votes == 1:
+        refuse_given(given, ONE_VOTE_INERT)
     for name, text in (("--question", question), ("--answer-a", answer_a), ("--answer-b", answer_b)):
         if not text.strip():
             raise UserError(f"{name} is empty")
     s = SamplingArgs(max_new_tokens=max_new_tokens, votes=votes, temperature=temperature, top_p=top_p, seed=seed,
-                     batch_size=1, backend=generation_backend)
+                     batch_size=1, backend=cfg.rl.generation_backend)
     s.check()
     system = read_system_prompt(system_prompt) if system_prompt else None
-    lm, tok, limit = load_judge(model, dtype, trust_remote_code=trust_remote_code)
+    lm, tok, limit = load_judge(model, cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     messages = judge_messages(question, answer_a, answer_b, system)
     [j], cut = judge_prompts(lm, tok, [messages], s, prompt_budget(limit, max_new_tokens))
     if cut:

@@ -1,9 +1,10 @@
 """Click options generated from flag declarations (``dschat.config``): every option of ``dschat train --step N``,
-and the options ``dschat eval`` shares with the stages, so a flag's name, help, default, choices and range live
-in its dataclass field only; ``stage_command`` (a whole command from a config class: the stages', ``dschat
-generate``) and ``run_command`` (user errors as one line, exit code 2). Part of the CLI layer (it imports click);
-the library never imports it. Its own module, not ``dschat.cli.main``, so a command under ``dschat/`` can use it
-without an import cycle through the commands ``dschat.cli.main`` loads by name.
+and the options ``dschat eval``, ``dschat chat`` and ``dschat judge`` share with the stages, so a flag's name,
+help, default, choices and range live in its dataclass field only; ``stage_command`` (a whole command from a
+config class: the stages', ``dschat generate``), ``declared_config`` (the config of a command's declared flags, a
+flag given that does nothing refused) and ``run_command`` (user errors as one line, exit code 2). Part of the CLI
+layer (it imports click); the library never imports it. Its own module, not ``dschat.cli.main``, so a command under
+``dschat/`` can use it without an import cycle through the commands ``dschat.cli.main`` loads by name.
 """
 
 from __future__ import annotations
@@ -81,6 +82,33 @@ class DeclaredFlagsCommand(click.Command):
             self.params.extend(declared_options(flag_specs(self._flags())))
             self._flags = None
         return super().get_params(ctx)
+
+
+def given_flags() -> dict[str, str]:
+    """The flags given on the running command's command line: parameter name -> its spelling for messages."""
+    ctx = click.get_current_context()
+    return {p.name: p.opts[0] for p in ctx.command.get_params(ctx)
+            if p.name and ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
+
+
+def refuse_given(given: dict[str, str], inert: dict[str, str]) -> None:
+    """Stop on the first flag ``given`` (``given_flags``) that ``inert`` names (parameter name -> why it does
+    nothing here): one line, exit code 2."""
+    for name, why in sorted(inert.items()):
+        if name in given:
+            raise UserError(f"{given[name]} has no effect {why}")
+
+
+def declared_config(config_cls: type, values: dict[str, Any], given: dict[str, str]) -> Any:
+    """The config of a ``DeclaredFlagsCommand``'s declared flags from its callback's ``values``: the flags
+    ``given`` on the command line, the others at their declared defaults (the command's own, where its piece sets
+    them). A given flag that does nothing in the chosen mode stops before anything loads, as in the stages
+    (``refuse_inert``: the pieces' ``inert_fields``, the class's ``inert_flags``)."""
+    names = {s.name for s in flag_specs(config_cls)}
+    picked = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k in names and k in given}
+    cfg = build_config(config_cls, picked)
+    refuse_inert(cfg, set(picked))
+    return cfg
 
 
 def stage_command(name: str, config: type | Callable[[], type], run: Callable[[Any], Any],

@@ -6,13 +6,12 @@ required field is a user error naming the file, line and field; an empty value o
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dschat.agents.calls import CALL_CLOSE, CALL_OPEN
+from dschat.agents.calls import CALL_CLOSE, CALL_OPEN, ArgumentsError, parse_arguments
 from dschat.data.sources import WHERE
 from dschat.errors import UserError
 from dschat.prompts import ASSISTANT_SUFFIX, HUMAN_PREFIX, inject_system_prompt
@@ -185,17 +184,12 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         f = c.get("function", c) if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise UserError(f"{where}: tool call {j} needs a 'name' and 'arguments' (an object or a JSON string)")
-        args = f.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
-                raise UserError(f"{where}: tool call {j}: 'arguments' is not valid JSON ({str(e)[:80]})") from None
-            except RecursionError:
-                raise UserError(f"{where}: tool call {j}: 'arguments' nest too deeply") from None
-        if not isinstance(args, dict):
-            raise UserError(f"{where}: tool call {j}: 'arguments' must be an object (or a JSON string of one), got "
-                            f"{type(args).__name__}")
+        try:
+            args = parse_arguments(f.get("arguments", {}))
+        except ArgumentsError as e:
+            says = {"json": f"is not valid JSON ({e.detail[:80]})", "depth": "nest too deeply",
+                    "type": f"must be an object (or a JSON string of one), got {e.detail}"}[e.reason]
+            raise UserError(f"{where}: tool call {j}: 'arguments' {says}") from None
         if _depth(args, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
             raise UserError(f"{where}: tool call {j}: 'arguments' nest deeper than {MAX_ARGUMENT_DEPTH} levels")
         out.append({"type": "function", "function": {"name": f["name"], "arguments": args}})

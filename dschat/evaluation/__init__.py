@@ -1,3 +1,4 @@
 """Evaluation shared by the stages and ``dschat eval``: language-model perplexity (``lm``, stage 1), reward models
-(``reward_model``, stage 2), the policy on held-out prompts (``policy``, stage 3's before and after;
-``saved_policy``, ``dschat eval --step 3`` against a baseline) and generative judges (``judge``)."""
+(``reward_model``, stage 2) and generative judges (``judge``). The policy's held-out evaluation is stage 3's own
+(``dschat.rlhf.evaluation``), and a saved policy's, ``dschat eval --step 3``, is a job built on it
+(``dschat.apps.saved_policy``)."""

@@ -1,5 +1,6 @@
-"""Choosing what samples: ``--generation-backend`` names (``BACKENDS``), ``auto``'s choice, and the backend
-objects (``dschat.generation.decode``'s loops and HF ``generate``; ``dschat.generation.vllm_engine``'s engine).
+"""Choosing what samples and sampling through it: ``--generation-backend`` names (``BACKENDS``), ``auto``'s choice,
+the backend objects (``dschat.generation.decode``'s loop and HF ``generate``; ``dschat.generation.vllm_engine``'s
+engine), and ``generate``, the one entry every caller samples through.
 
 What ``auto`` picks (docs/speed.md has the figures behind it):
 
@@ -13,15 +14,29 @@ What ``auto`` picks (docs/speed.md has the figures behind it):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dschat.config import BACKENDS
 from dschat.errors import UserError
-from dschat.generation.decode import Backend, DschatBackend, Generated, GenerationConfig, HFBackend
+from dschat.generation.decode import (
+    Backend,
+    CompiledBackend,
+    DschatBackend,
+    Generated,
+    GenerationConfig,
+    GraphBackend,
+    HFBackend,
+    OnToken,
+    Prompts,
+)
 from dschat.generation.lean_llama import LeanLlama
+from dschat.generation.turns import generate_by_turns
 from dschat.generation.vllm_engine import VLLMBackend, supports
+
+if TYPE_CHECKING:
+    from dschat.agents.episode import Episodes
 
 
 def resolve_backend(name: str, module: torch.nn.Module | None = None, fallback: str = "dschat") -> str:
@@ -51,8 +66,8 @@ def make_backend(name: str, module: torch.nn.Module | None = None, vllm: Any = N
         return VLLMBackend(vllm, max_model_len=max_model_len)  # type: ignore[return-value]
     if name == "graph":
         require_cuda_for_graph()
-        return DschatBackend(graph=True)
-    return HFBackend() if name == "hf" else DschatBackend(compiled=name == "compiled")
+        return GraphBackend()
+    return {"hf": HFBackend, "compiled": CompiledBackend}.get(name, DschatBackend)()
 
 
 def require_cuda_for_graph() -> None:
@@ -62,17 +77,28 @@ def require_cuda_for_graph() -> None:
                         "device; on this machine use --generation-backend dschat (or auto)")
 
 
-def generate_with(backend: Backend, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
-                  config: GenerationConfig, eos_token_id: int | list[int], pad_token_id: int,
-                  engine: Any = None) -> Generated:
-    """One sample from ``backend``, its weights brought to ``module``'s first where it holds its own (vLLM: a sync,
-    which pushes only weights that changed since the last; ``engine`` the module's training engine, whose step
-    count says when they did), and its memory given back after. The hybrid engine samples through this; so do
-    the callers that sample a frozen model (``dschat chat``, the judge)."""
-    if not backend.owns_weights:
-        return backend.generate(module, prompt, prompt_mask, config, eos_token_id, pad_token_id)
-    backend.sync(module, engine, batch=prompt.shape[0], total=prompt.shape[1] + config.max_new_tokens)
+def generate(backend: Backend, module: torch.nn.Module, prompts: Prompts, settings: GenerationConfig, *,
+             episodes: Episodes | None = None, on_token: OnToken | None = None, engine: Any = None) -> Generated:
+    """The one way into generation: every caller samples through this (stage 3's rollouts and evaluation through
+    the hybrid engine, ``dschat generate``, ``dschat eval``, ``dschat chat``, the generative judge).
+
+    ``backend`` samples ``prompts`` with ``settings`` from ``module``. Where it holds its own copy of the weights
+    (``caps.owns_weights``: vLLM) they are brought to ``module``'s first (a sync pushes only what changed since the
+    last; ``engine`` is the module's training engine, whose step count says when it did) and its memory is given
+    back after. ``episodes`` (tools and environments, ``dschat.agents.episode.Episodes``) run where the backend
+    lets them: inside dschat's loop, token by token, where it is one (``caps.token_by_token``), else turn by turn
+    over whole answers (``dschat.generation.turns``). ``on_token`` sees every step (``OnToken``)."""
+    B, P = prompts.ids.shape
+    if backend.caps.owns_weights:
+        backend.sync(module, engine, batch=B, total=P + settings.max_new_tokens)
     try:
-        return backend.generate(module, prompt, prompt_mask, config, eos_token_id, pad_token_id)
+        if episodes is not None and not backend.caps.token_by_token:
+            def whole(ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> Generated:
+                return backend.generate(module, ids, mask, config, prompts.eos_token_id, prompts.pad_token_id)
+
+            return generate_by_turns(whole, prompts, settings, episodes, on_token)
+        return backend.generate(module, prompts.ids, prompts.mask, settings, prompts.eos_token_id,
+                                prompts.pad_token_id, on_token=on_token, rows=episodes)
     finally:
-        backend.release()
+        if backend.caps.owns_weights:
+            backend.release()

@@ -12,7 +12,6 @@ when a chat starts, so ``dschat --help`` stays fast.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -166,7 +165,8 @@ class Chatbot:
         """
         import torch
 
-        from dschat.generation.backends import generate_with
+        from dschat.generation.backends import generate
+        from dschat.generation.decode import Prompts
 
         kept, ids, dropped, cut = fit_messages(messages, self.tokenizer, self.budget)
         if dropped:
@@ -174,42 +174,38 @@ class Chatbot:
         if cut:
             self.log(f"(message cut to its last {len(ids)} tokens to fit the model's positions)")
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        prompts = Prompts(input_ids, torch.ones_like(input_ids), self.eos_token_id, self.tokenizer.pad_token_id)
         if self.agent is not None:
-            return self._episode(kept, input_ids, write), kept
+            return self._episode(kept, prompts, write), kept
         streamer = _make_streamer(self.tokenizer, self.stops, write)
         streamer.put(input_ids.cpu())  # the prompt, which the streamer skips
-        answer: list[int] = []
+        stops = StopStrings(self.tokenizer, self.stops)
 
-        def on_token(tok: torch.Tensor) -> bool:
-            """Stream the new token; stop once the answer's last tokens hold a stop string (only a tail is decoded:
-            a stop string is a few characters, so a few tokens even as byte pieces)."""
+        def on_token(tok: torch.Tensor, policy: torch.Tensor) -> bool:
             streamer.put(tok.cpu())
-            answer.append(int(tok[0]))
-            if not self.stops:
-                return False
-            tail = self.tokenizer.decode(answer[-STOP_WINDOW_TOKENS:], skip_special_tokens=True)
-            return cut_at_stop(tail, self.stops)[1]
+            return stops(tok, policy)
 
         with torch.inference_mode():
-            out = generate_with(self.backend, self.model, input_ids, torch.ones_like(input_ids),
-                                dataclasses.replace(self.generation, on_token=on_token), self.eos_token_id,
-                                self.tokenizer.pad_token_id)
+            out = generate(self.backend, self.model, prompts, self.generation, on_token=on_token)
         streamer.end()
         text = self.tokenizer.decode(out.sequences[0, len(ids):], skip_special_tokens=True)
         return cut_at_stop(text, self.stops)[0].strip(), kept
 
-    def _episode(self, messages: Messages, input_ids: Any, write: Callable[[str], None]) -> str:
-        """One episode with the chat's tools or environment: each turn of the assistant, each call and each
-        result or observation written as it happens. Returns the episode's whole text."""
+    def _episode(self, messages: Messages, prompts: Any, write: Callable[[str], None]) -> str:
+        """One episode with the chat's tools or environment, on whichever backend samples (token by token in
+        dschat's loop, turn by turn on HF's generate or vLLM): each turn of the assistant, each call and each
+        result or observation written as it happens, and the episode stopped where the assistant writes a stop
+        string. Returns the episode's whole text (a stop string and what follows it cut from its last turn)."""
         import torch
 
         from dschat.agents.episode import Episodes
-        from dschat.generation.backends import generate_with
+        from dschat.generation.backends import generate
 
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         episodes = Episodes(self.agent, self.tokenizer, [{"prompt": prompt}], eos, self.tokenizer.pad_token_id)
         shown = {"turn": "", "call": "\n  [call] ", "result": "\n  [result] ", "observation": "\n  [observation] "}
+        stops = StopStrings(self.tokenizer, self.stops)
 
         def show(row: int, kind: str, text: str) -> None:
             text = text.strip()
@@ -218,9 +214,37 @@ class Chatbot:
 
         episodes.on_event = show
         with torch.inference_mode():
-            out = generate_with(self.backend, self.model, input_ids, torch.ones_like(input_ids),
-                                dataclasses.replace(self.generation, episodes=episodes), eos,
-                                self.tokenizer.pad_token_id)
-        assert out.real_mask is not None
-        answer = out.sequences[0, input_ids.shape[1]:]
-        return self.tokenizer.decode(answer[out.real_mask[0].bool()], skip_special_tokens=True).strip()
+            out = generate(self.backend, self.model, prompts, self.generation, episodes=episodes, on_token=stops)
+        assert out.real_mask is not None and out.policy_mask is not None
+        P = prompts.ids.shape[1]
+        real, policy = out.real_mask[0].bool(), out.policy_mask[0].bool()
+        answer = out.sequences[0, P:][real]
+        if not stops.stopped:
+            return self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        own = policy[real]  # the last run of the policy's own tokens is the turn the stop string ended
+        start = len(own) - int(torch.flip(~own, [0]).int().argmax()) if (~own).any() else 0
+        head = self.tokenizer.decode(answer[:start], skip_special_tokens=True)
+        last = cut_at_stop(self.tokenizer.decode(answer[start:], skip_special_tokens=True), self.stops)[0]
+        write(last.strip())
+        return (head + last).strip()
+
+
+class StopStrings:
+    """The ``on_token`` hook that stops an answer at a stop string: only the policy's own tokens are read (a tool's
+    result or an observation is not the assistant's text), and only a tail of them is decoded (a stop string is a
+    few characters, so a few tokens even as byte pieces)."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tail: list[int] = []
+        self.stopped = False
+
+    def __call__(self, tok: Any, policy: Any) -> bool:
+        if not bool(policy[0]):
+            self.tail = []  # a turn of the policy's ends where something else is fed
+            return False
+        self.tail = (self.tail + [int(tok[0])])[-STOP_WINDOW_TOKENS:]
+        if self.stops:
+            text = self.tokenizer.decode(self.tail, skip_special_tokens=True)
+            self.stopped = cut_at_stop(text, self.stops)[1]
+        return self.stopped

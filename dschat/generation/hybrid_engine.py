@@ -1,6 +1,7 @@
 """The hybrid engine: one object that flips the actor between training and fast generation (docs/algorithms.md, PPO).
 
-Two paths:
+What samples, chosen once when the engine is made; every path goes through the one entry,
+``dschat.generation.backends.generate``:
 
 * DeepSpeed's own hybrid engine (``--enable-hybrid-engine``), which swaps in CUDA inference kernels. It exists
   only on CUDA for supported architectures; elsewhere dschat says so once and uses the fallback.
@@ -21,14 +22,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dschat import engine as E
 from dschat.devices import forked_rng
-from dschat.generation.backends import generate_with, make_backend
-from dschat.generation.decode import Backend, DschatBackend, Generated, GenerationConfig, HFBackend
+from dschat.generation.backends import generate, make_backend
+from dschat.generation.decode import Backend, Generated, GenerationConfig, HFBackend, OnToken, Prompts
+
+if TYPE_CHECKING:
+    from dschat.agents.agent import Agent
+    from dschat.agents.episode import Episodes
 
 
 def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
@@ -43,16 +48,22 @@ def deepspeed_hybrid_supported(model: torch.nn.Module) -> tuple[bool, str]:
 
 
 class HybridEngine:
-    """Wraps the actor engine: ``generate`` in inference mode, training everywhere else."""
+    """Wraps the actor engine: ``sample`` in inference mode, training everywhere else. ``agent`` is the run's tools
+    and environments (``dschat.agents.agent.Agent``; None without): with one, ``dschat.rlhf.rollout`` samples every
+    batch as episodes."""
 
     def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False,
-                 backend: str | Backend = "auto", vllm: Any = None, max_model_len: int | None = None):
+                 backend: str | Backend = "auto", vllm: Any = None, max_model_len: int | None = None,
+                 agent: Agent | None = None):
         self.actor = actor
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.use_deepspeed = use_deepspeed
+        self.agent = agent
         self.backend = (make_backend(backend, E.unwrap(actor), vllm, max_model_len) if isinstance(backend, str)
                         else backend)
+        # what samples: DeepSpeed's engine has its own generate with HF's signature, over its own kernels
+        self.sampler: Backend = HFBackend() if use_deepspeed else self.backend
         self.last_generate_seconds = 0.0
         self._said_capture = False
         self._counted = (0, 0.0)  # the graph cache's captures and their seconds when last reported
@@ -69,8 +80,8 @@ class HybridEngine:
         """The CUDA-graph captures made since the last call: ``generation/graph_captures`` and their seconds,
         ``generation/graph_capture_s`` (zero when every generation replayed a capture). Empty for a backend that
         captures nothing, or when DeepSpeed's hybrid engine samples instead."""
-        graphs = getattr(self.backend, "graphs", None)
-        if graphs is None or self.use_deepspeed:
+        graphs = getattr(self.sampler, "graphs", None)
+        if graphs is None:
             return {}
         out = {"generation/graph_captures": float(graphs.captures - self._counted[0]),
                "generation/graph_capture_s": graphs.capture_seconds - self._counted[1]}
@@ -82,7 +93,7 @@ class HybridEngine:
         graphs and their KV caches; vLLM is put to sleep after every sample already). Stage 3 calls it after each
         training rollout, before the scores, the experience forwards and training, and after each evaluation;
         the next generation captures again."""
-        if not self.backend.owns_weights:
+        if not self.backend.caps.owns_weights:
             self.backend.release()
 
     def close(self) -> None:
@@ -95,41 +106,24 @@ class HybridEngine:
 
     @torch.no_grad()
     def sample(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
-               generator_seed: int | None = None) -> Generated:
-        """Sample answers for left-padded prompts ``(B, P)``: sequences ``(B, P + A)`` (A <= max_new_tokens) and,
-        with ``config.logprobs``, when the backend computes them and the actor runs in float32, each answer
-        token's log-prob. (In fp32 the KV-cache log-probs equal a full forward's to ~1e-6; in half precision they
-        are left to the forward.)"""
+               generator_seed: int | None = None, *, episodes: Episodes | None = None,
+               on_token: OnToken | None = None) -> Generated:
+        """Sample answers for left-padded prompts ``(B, P)`` through the entry (``backends.generate``): sequences
+        ``(B, P + A)`` (A <= max_new_tokens) and, with ``config.logprobs``, when the backend computes them and the
+        actor runs in float32, each answer token's log-prob. (In fp32 the KV-cache log-probs equal a full
+        forward's to ~1e-6; in half precision they are left to the forward.) A seeded sample (evaluation) draws its
+        own random stream and leaves training's where it was, CPU and CUDA alike."""
         t0 = time.time()
         module = self.module
         was_training = module.training
-        graphs = getattr(self.backend, "graphs", None)
+        graphs = getattr(self.sampler, "graphs", None)
         captures = graphs.captures if graphs is not None else 0
-
-        def whole(prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig) -> Generated:
-            if self.backend.owns_weights:  # vLLM: the weights it lacks pushed first (every rank), then it samples
-                return generate_with(self.backend, module, prompt, prompt_mask, config, self.eos_token_id,
-                                     self.pad_token_id, engine=self.actor)
-            if self.use_deepspeed:
-                self.actor.eval()  # DeepSpeed's engine has its own generate with the HF signature
-                return HFBackend().generate(self.actor, prompt, prompt_mask, config, self.eos_token_id,
-                                            self.pad_token_id)
-            module.eval()
-            with E.gathered_parameters(self.actor):  # the engine: its prefetches settle first
-                return self.backend.generate(module, prompt, prompt_mask, config, self.eos_token_id,
-                                             self.pad_token_id)
-
-        # a seeded sample (evaluation) draws its own stream and leaves training's where it was, CPU and CUDA alike
+        prompts = Prompts(prompt, prompt_mask, self.eos_token_id, self.pad_token_id)
         try:
-            with forked_rng(generator_seed) if generator_seed is not None else contextlib.nullcontext():
-                episodes = config.episodes
-                if episodes is not None and (self.use_deepspeed or not isinstance(self.backend, DschatBackend)):
-                    # episodes on a backend that samples whole answers: turn by turn (dschat.generation.turns)
-                    from dschat.generation.turns import generate_by_turns
-
-                    out = generate_by_turns(whole, prompt, prompt_mask, config, episodes, self.pad_token_id)
-                else:
-                    out = whole(prompt, prompt_mask, config)
+            with forked_rng(generator_seed) if generator_seed is not None else contextlib.nullcontext(), \
+                    self._inference():
+                out = generate(self.sampler, self.actor if self.use_deepspeed else module, prompts, config,
+                               episodes=episodes, on_token=on_token, engine=self.actor)
         finally:
             if was_training:
                 (self.actor if self.use_deepspeed else module).train()
@@ -144,6 +138,21 @@ class HybridEngine:
                   file=sys.stderr)
         return out
 
+    @contextlib.contextmanager
+    def _inference(self) -> Any:
+        """The actor as its sampler reads it: DeepSpeed's engine in eval mode; the module in eval mode with its
+        ZeRO-3 parameters gathered once for the whole call (the engine's prefetches settle first); nothing for a
+        backend with its own copy (its sync reads the module)."""
+        if self.use_deepspeed:
+            self.actor.eval()
+            yield
+        elif self.sampler.caps.owns_weights:
+            yield
+        else:
+            self.module.eval()
+            with E.gathered_parameters(self.actor):
+                yield
+
     def generate(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
                  generator_seed: int | None = None) -> torch.Tensor:
         """The sequences of ``sample``."""
@@ -151,9 +160,10 @@ class HybridEngine:
 
 
 def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str = "auto", vllm: Any = None,
-                       max_model_len: int | None = None) -> HybridEngine:
+                       max_model_len: int | None = None, agent: Agent | None = None) -> HybridEngine:
     """The generation path for ``actor``: DeepSpeed's hybrid engine when ``requested`` and supported, else the
-    ``backend`` (``vllm`` its ``VLLMArgs``; ``max_model_len`` the longest prompt plus answer, for vLLM)."""
+    ``backend`` (``vllm`` its ``VLLMArgs``; ``max_model_len`` the longest prompt plus answer, for vLLM); ``agent``
+    the run's tools and environments, if any."""
     use = False
     if requested:
         ok, why = deepspeed_hybrid_supported(E.unwrap(actor))
@@ -162,4 +172,4 @@ def make_hybrid_engine(actor: Any, tokenizer: Any, requested: bool, backend: str
             print(f"[hybrid engine] {why or 'actor engine was not built as a hybrid engine'}; "
                   "using eval-mode KV-cache generation with one ZeRO-3 gather per call", file=sys.stderr)
     return HybridEngine(actor, tokenizer.pad_token_id, tokenizer.eos_token_id, use_deepspeed=use, backend=backend,
-                        vllm=vllm, max_model_len=max_model_len)
+                        vllm=vllm, max_model_len=max_model_len, agent=agent)

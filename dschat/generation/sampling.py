@@ -4,15 +4,17 @@ tensors, shared by every decoder of ``dschat.generation``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 
 @dataclass
 class GenerationConfig:
+    """How to sample, and nothing else: what a call feeds back (a streaming hook) or drives (episodes) is given
+    to the entry beside it (``dschat.generation.backends.generate``)."""
+
     max_new_tokens: int = 256
     do_sample: bool = True
     temperature: float = 1.0
@@ -24,14 +26,6 @@ class GenerationConfig:
     # Divide the logits of tokens already in the prompt or the answer by this (multiply, where negative), as HF's
     # repetition penalty does; 1 is off.
     repetition_penalty: float = 1.0
-    # Called with each step's tokens (B,); returning True stops every row there. Streaming callers (``dschat chat``)
-    # show the text as it comes and stop at a stop string.
-    on_token: Callable[[torch.Tensor], bool] | None = None
-    # A run's tools and environments (``dschat.agents.episode.Agent``): with one, every sample is a batch of
-    # episodes (``dschat.rlhf.rollout.generate_rollout`` makes ``episodes`` from it and the batch's rows).
-    agent: Any = None
-    # The ``dschat.agents.episode.Episodes`` of one call: the decode loop hands it every sampled token.
-    episodes: Any = None
 
     @classmethod
     def from_flags(cls, flags: SamplingFlags) -> GenerationConfig:

@@ -14,24 +14,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from dschat.generation.decode import Generated, GenerationConfig
+from dschat.generation.decode import Generated, GenerationConfig, OnToken, Prompts
+
+if TYPE_CHECKING:
+    from dschat.agents.episode import Episodes
 
 Sample = Callable[[torch.Tensor, torch.Tensor, GenerationConfig], Generated]
 
 
-def generate_by_turns(sample: Sample, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
-                      episodes: Any, pad_token_id: int) -> Generated:
+def generate_by_turns(sample: Sample, prompts: Prompts, config: GenerationConfig, episodes: Episodes,
+                      on_token: OnToken | None = None) -> Generated:
     """A batch of episodes through ``sample(prompts, mask, config)`` (left-padded prompts in, whole answers out),
     within ``config.max_new_tokens`` columns per row. Returns what the decode loop's episodes return: the
-    sequences, the policy and real-token masks, and (from vLLM) the engine's log-probs of the policy's tokens."""
+    sequences, the policy and real-token masks, and (from vLLM) the engine's log-probs of the policy's tokens.
+    ``on_token`` sees each kept token of the policy's as the round's answers are read, row by row (the other rows'
+    columns padding); where it stops, every row stops there."""
+    prompt, prompt_mask, pad_token_id = prompts.ids, prompts.mask, prompts.pad_token_id
     B, N, dev = prompt.shape[0], config.max_new_tokens, prompt.device
-    base = replace(config, episodes=None, on_token=None, logprobs=False)
+    base = replace(config, logprobs=False)
     rows: list[list[tuple[int, bool, bool, float]]] = [[] for _ in range(B)]  # (token, real, policy, engine logp)
-    prompts = [p[m.bool()].tolist() for p, m in zip(prompt, prompt_mask, strict=True)]
+    prompt_rows = [p[m.bool()].tolist() for p, m in zip(prompt, prompt_mask, strict=True)]
     episodes.start()
     done = [False] * B
 
@@ -44,13 +50,22 @@ def generate_by_turns(sample: Sample, prompt: torch.Tensor, prompt_mask: torch.T
                 break
             rows[i].append((tok, real, policy, 0.0))
 
+    def stopped(i: int, tok: int, policy: bool) -> bool:
+        """Row ``i``'s kept token through ``on_token`` (the other rows' columns are padding, not the policy's)."""
+        if on_token is None:
+            return False
+        tokens = torch.full((B,), pad_token_id, dtype=prompt.dtype)
+        own = torch.zeros(B, dtype=torch.bool)
+        tokens[i], own[i] = tok, policy
+        return bool(on_token(tokens, own))
+
     for i in range(B):
         settle(i)
     while True:
         active = [i for i in range(B) if not done[i] and len(rows[i]) < N]
         if not active:
             break
-        ids = [prompts[i] + [t for t, real, _, _ in rows[i] if real] for i in active]
+        ids = [prompt_rows[i] + [t for t, real, _, _ in rows[i] if real] for i in active]
         width = max(len(x) for x in ids)
         batch = torch.full((len(active), width), pad_token_id, dtype=prompt.dtype, device=dev)
         mask = torch.zeros((len(active), width), dtype=prompt_mask.dtype, device=dev)
@@ -61,6 +76,7 @@ def generate_by_turns(sample: Sample, prompt: torch.Tensor, prompt_mask: torch.T
         out = sample(batch, mask, replace(base, max_new_tokens=budget))
         new = out.sequences[:, width:].tolist()
         engine = out.engine_logprobs.tolist() if out.engine_logprobs is not None else None
+        stop = False
         for k, i in enumerate(active):
             for j, tok in enumerate(new[k]):
                 if len(rows[i]) >= N:
@@ -70,6 +86,9 @@ def generate_by_turns(sample: Sample, prompt: torch.Tensor, prompt_mask: torch.T
                     done[i] = True
                     break
                 rows[i].append((tok, real, policy, engine[k][j] if engine is not None and policy else 0.0))
+                stop = stopped(i, tok, policy)
+                if stop:
+                    break
                 if finished:
                     done[i] = True
                     break
@@ -78,6 +97,10 @@ def generate_by_turns(sample: Sample, prompt: torch.Tensor, prompt_mask: torch.T
             else:
                 if len(rows[i]) < N and episodes.sampling(i) and not new[k]:
                     done[i] = True  # the backend wrote nothing more: nothing will change next round
+            if stop:
+                break
+        if stop:
+            break
         for i in active:  # the round's calls run side by side; then each row's result or observation
             settle(i)
     width = max(1, max(len(r) for r in rows))

@@ -46,7 +46,7 @@ import torch
 from dschat.config import FULL_TOLERANCE, HALF_TOLERANCE, VLLMArgs
 from dschat.devices import forked_rng
 from dschat.errors import UserError, first_line, stop_hung_process
-from dschat.generation.decode import Generated
+from dschat.generation.decode import Capabilities, Generated
 from dschat.models.heads import head_dim
 
 PROBE_TOKENS, PROBE_SEED = 8, 1234
@@ -217,7 +217,8 @@ class VLLMBackend:
     """``--generation-backend vllm``: the ``Backend`` protocol of ``dschat.generation.decode``."""
 
     name = "vllm"
-    owns_weights = True  # the engine holds its own copy: no ZeRO-3 gather around generate
+    # the engine holds its own copy (no ZeRO-3 gather around generate: a sync instead) and samples whole answers
+    caps = Capabilities(token_by_token=False, logprobs=False, engine_logprobs=True, owns_weights=True)
 
     def __init__(self, args: VLLMArgs | None = None, max_model_len: int | None = None, skip_sync: bool = False,
                  reset_prefix_cache: bool = True):
@@ -406,9 +407,11 @@ class VLLMBackend:
     # ----------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
-                 config: Any, eos_token_id: int | list[int], pad_token_id: int) -> Any:
-        """Sample from the engine's weights, which ``sync`` must have made ``module``'s (the hybrid engine calls
-        it first)."""
+                 config: Any, eos_token_id: int | list[int], pad_token_id: int, *, on_token: Any = None,
+                 rows: Any = None) -> Any:
+        """Sample from the engine's weights, which ``sync`` must have made ``module``'s (the entry,
+        ``backends.generate``, calls it first)."""
+        assert rows is None, "vllm samples whole answers: episodes run turn by turn (dschat.generation.turns)"
         from vllm import SamplingParams
 
         B, P = prompt.shape
@@ -432,8 +435,8 @@ class VLLMBackend:
         answers = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], a, strict=False)]
                  for o, a in zip(outs, answers, strict=True)]
-        if config.on_token is not None:  # the hook sees every step; where it stops, every row stops
-            answers, logps = _apply_hook(config.on_token, answers, logps, pad_token_id)
+        if on_token is not None:  # the hook sees every step; where it stops, every row stops
+            answers, logps = _apply_hook(on_token, answers, logps, pad_token_id)
         A = max(1, max(len(a) for a in answers))
         seq = torch.full((B, A), pad_token_id, dtype=prompt.dtype)
         lp = torch.zeros(B, A, dtype=torch.float32)
@@ -451,7 +454,7 @@ def _apply_hook(on_token: Any, answers: list[list[int]], logps: list[list[float]
     A = max((len(a) for a in answers), default=0)
     for t in range(A):
         step = torch.tensor([a[t] if t < len(a) else pad for a in answers])
-        if on_token(step):
+        if on_token(step, torch.tensor([t < len(a) for a in answers])):
             return [a[:t + 1] for a in answers], [lp[:t + 1] for lp in logps]
     return answers, logps
 

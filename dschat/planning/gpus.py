@@ -98,17 +98,26 @@ DEFAULT_GPU = "A100-80GB"
 SHORT_NAMES = {"h100": "h10080gb", "v100": "v10032gb", "rtx4090": "rtx4090", "4090": "rtx4090"}
 
 
+def _gpu_key(name: str) -> str:
+    """A GPU's name as the table compares names: lower case, without spaces, dashes and underscores."""
+    return name.lower().replace(" ", "").replace("-", "").replace("_", "")
+
+
 def find_gpu(name: str) -> GPU:
     """A GPU of the table by name, ignoring case, spaces and dashes (``h100``, ``a100-80gb``, ``rtx4090``)."""
-    def key(s: str) -> str:
-        return s.lower().replace(" ", "").replace("-", "").replace("_", "")
-
-    wanted = SHORT_NAMES.get(key(name), key(name))
+    wanted = SHORT_NAMES.get(_gpu_key(name), _gpu_key(name))
     for g in GPUS.values():
-        if key(g.name) == wanted:
+        if _gpu_key(g.name) == wanted:
             return g
     raise UserError(f"--gpu {name!r} is not in the GPU table ({', '.join(g.name for g in GPUS.values())}); give "
                     f"--gpu-memory instead")
+
+
+def gpu_of_device(device_name: str) -> str:
+    """The table's name of a GPU as its driver names it (``torch.cuda.get_device_name``: ``NVIDIA H100 80GB HBM3``
+    is ``H100-80GB``): the first entry whose name is part of it, else ``DEFAULT_GPU``."""
+    key = _gpu_key(device_name)
+    return next((g.name for g in GPUS.values() if _gpu_key(g.name) in key), DEFAULT_GPU)
 
 
 def parse_bytes(text: str) -> int:

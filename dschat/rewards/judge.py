@@ -232,8 +232,8 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
     import torch
 
     from dschat.data.collators import pad_sequences  # torch, as above
-    from dschat.generation.backends import generate_with, make_backend
-    from dschat.generation.decode import GenerationConfig, decode_answers
+    from dschat.generation.backends import generate, make_backend
+    from dschat.generation.decode import GenerationConfig, Prompts, decode_answers
 
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -255,8 +255,8 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
                 seed_generators(s.seed + b)
                 ids, mask = ids.repeat_interleave(s.votes, 0).to(device), mask.repeat_interleave(s.votes, 0).to(device)
                 with torch.inference_mode():
-                    seqs = generate_with(backend, model, ids, mask, gen, tokenizer.eos_token_id,
-                                         tokenizer.pad_token_id).sequences
+                    seqs = generate(backend, model, Prompts(ids, mask, tokenizer.eos_token_id, tokenizer.pad_token_id),
+                                    gen).sequences
                 texts, _ = decode_answers(tokenizer, seqs[:, ids.shape[1]:])
                 for j, i in enumerate(idx):
                     out[i] = texts[j * s.votes: (j + 1) * s.votes]
@@ -267,9 +267,7 @@ def generate_completions(model: Any, tokenizer: Any, prompt_ids: list[list[int]]
             model.train()
         if bar is not None:
             bar.close()
-        close = getattr(backend, "close", None)  # a vLLM engine lives for this call
-        if close is not None:
-            close()
+        backend.close()  # a vLLM engine lives for this call
     return out
 
 

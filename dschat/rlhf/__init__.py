@@ -8,9 +8,9 @@
                     set of a saved policy (``dschat generate``, ``dschat eval --step 3``)
     rollout.py      generation -> Rollout (sequences, masks), log-probs and values of the answer tokens
     scoring.py      reward sources -> scores (reward model, rules, judge, user functions)
+    evaluation.py   the held-out evaluation before and after training: sampled answers scored, the before/after
+                    part of eval.json (``dschat eval --step 3`` evaluates a saved policy with it too)
     ema.py          the actor's exponential moving average
     onpolicy.py     the run-time defaults PPO, the GRPO family and online DPO share (prompts in, evaluation
                     by sampling)
-
-The held-out evaluation before and after training is ``dschat.evaluation.policy``.
 """

@@ -13,10 +13,11 @@ update, per device); ``plan(cfg, batches)`` (updates per epoch, micro-batches pe
 (``"module:Class"`` of the run-time class).
 
 Its run-time class, in ``dschat/rlhf/<name>.py``, inherits the spec and adds a run: ``collator`` (batches the
-rows ``tokenize_as`` makes); ``__init__(cfg, models, hybrid, scorer, gen, shuffle, ema, state)``, ``describe()``,
-``evaluate(eval_loader)`` (the before/after evaluation), ``summary(before, after)`` (its own eval.json fields),
-``state()`` (what a resumable state keeps) and ``step(stream)`` (one update: its metrics and the answers dropped
-as too short).
+rows ``tokenize_as`` makes); ``__init__(cfg, models, hybrid, scorer, gen, shuffle, ema, loop)`` (``loop``: the
+stage's ``ResumableLoop``, whose ``state`` is the resumed state and in whose ``micro_batch`` each training
+micro-batch runs), ``describe()``, ``evaluate(eval_loader)`` (the before/after evaluation), ``summary(before,
+after)`` (its own eval.json fields), ``state()`` (what a resumable state keeps) and ``step(stream)`` (one update:
+its metrics and the answers dropped as too short).
 
 Adding an algorithm: its spec (and ``*Args``, as a piece of ``RLHFConfig``, if it has flags of its own) in
 ``specs.py``, its run-time class in a file of its own, and its spec in ``ALGORITHMS`` here.

@@ -26,6 +26,7 @@ from dschat.config import (
     RunArgs,
     VLLMArgs,
     arg,
+    backend_help,
     flag_specs,
     merged,
     piece,
@@ -52,7 +53,7 @@ class RLArgs:
     min_answer_len: int = arg(2, "Answers shorter than this many tokens (EOS included) get no gradient and are "
                                  "counted as dropped.", low=0)
     temperature: float = arg(1.0, "Sampling temperature.", above=0)
-    top_p: float = arg(1.0, "Nucleus sampling threshold.", above=0)
+    top_p: float = arg(1.0, "Nucleus sampling threshold.", above=0, high=1)
     top_k: int = arg(0, "Top-k sampling (0 disables).", low=0)
     eval_samples: int = arg(1, "Answers sampled per held-out prompt in each evaluation (before/after training, "
                                "--eval-interval): a prompt's reward is the mean of its answers and the standard "
@@ -61,18 +62,7 @@ class RLArgs:
                                "smaller standard error.", low=1)
     enable_hybrid_engine: bool = arg(False, "Use DeepSpeed's hybrid engine for generation where it is supported "
                                             "(CUDA); otherwise the eval-mode KV-cache fallback is used.")
-    generation_backend: str = arg("auto", "What samples: vllm (a vLLM engine beside the actor, weights pushed and "
-                                          "checked after every update; pip install -r requirements-vllm.txt), "
-                                          "dschat (our loop: a preallocated KV cache, a lean per-token forward "
-                                          "for Llama-architecture models, the sampling pass's log-probs reused as "
-                                          "PPO's old log-probs in fp32), graph (the same loop with its token step "
-                                          "captured as a CUDA graph per batch and cache-width bucket; CUDA, "
-                                          "Llama-architecture models), compiled (the step compiled by "
-                                          "torch.compile; tens of seconds to compile on first use), hf "
-                                          "(transformers' generate); auto = vllm on a GPU where it is installed "
-                                          "and runs the model, else graph on a GPU where it runs the model, else "
-                                          "dschat.",
-                                  choices=BACKENDS)
+    generation_backend: str = arg("auto", backend_help("dschat"), choices=BACKENDS)
     vllm_importance_sampling: str = arg("token", "Correction for the gap between vLLM's sampling log-probs and the "
                                                  "trainer's: each token's policy loss (token) or each answer's "
                                                  "(sequence) weighed by exp(trainer - vLLM log-prob), truncated at "
@@ -295,13 +285,13 @@ def check_config(cfg: RLHFConfig) -> None:
             raise UserError(f"--generation-backend {name} needs a Llama-architecture model "
                             f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
                             f"--generation-backend dschat")
-    check_agent(cfg.agent, cfg.rl.generation_backend, cfg.reward_func_names())
+    check_agent(cfg.agent, cfg.reward_func_names())
     cfg.algorithm.check_config(cfg)
 
 
-def check_agent(agent: AgentArgs, backend: str, reward_names: list[str]) -> None:
+def check_agent(agent: AgentArgs, reward_names: list[str]) -> None:
     """'env' needs an environment, and the tools and environments load (a missing file, function or class stops
-    here). ``backend`` is kept for the checks of a backend's own limits."""
+    here)."""
     if "env" in reward_names and not agent.env:
         raise UserError("reward function 'env' is an environment's reward: it needs --env")
     if not (agent.tools or agent.env):

@@ -25,14 +25,14 @@ from dschat import engine as E
 from dschat import losses as L
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF
 from dschat.data.packing import check_packing, packed_inputs, shared_prefix_inputs, unpacked_rows
-from dschat.evaluation.policy import evaluate
 from dschat.models.logits import token_logps
 from dschat.rlhf.ema import ActorEMA, step_actor
+from dschat.rlhf.evaluation import evaluate
 from dschat.rlhf.rollout import positions_from_mask
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import DPOArgs, DPOSpec
-from dschat.training import memory, oom
-from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+from dschat.training import memory
+from dschat.training.stage import EpochStream, EvalLoader, ResumableLoop, lockstep_batches, to_device
 
 EVAL_KEYS = ("implicit_accuracy", "implicit_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
              "logps_rejected", "logratio", "eval_pairs")
@@ -184,9 +184,9 @@ class DPO(DPOSpec):
     collator = DataCollatorPairs
 
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer | None, gen: Any, shuffle: torch.Generator,
-                 ema: ActorEMA | None, state: dict[str, Any]):
+                 ema: ActorEMA | None, loop: ResumableLoop):
         self.cfg, self.a, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.dpo, models, hybrid, scorer, gen
-        self.ema = ema
+        self.ema, self.loop = ema, loop
         self.reference_ready = models.ref is None
         self.packed_collate = DataCollatorPairs(models.tokenizer.pad_token_id).packed()  # --packing micro-batches
         if cfg.data.packing:
@@ -237,7 +237,7 @@ class DPO(DPOSpec):
         else:  # micro-batches of `size` pairs: a chunk's chosen rows, then its rejected rows
             chunks = [torch.cat([idx, idx + B]) for idx in torch.arange(B, device=b["input_ids"].device).split(size)]
         for i, chunk in enumerate(chunks, 1):
-            with memory.phase("train_actor"), oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+            with self.loop.micro_batch("train_actor", i):
                 if isinstance(chunk, dict):
                     ref = chunk.get("ref_logps")
                     logps, lengths = packed_sequence_logps(actor, chunk)

@@ -35,8 +35,8 @@ from dschat.rlhf.rollout import (
 )
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import GRPOSpec
-from dschat.training import memory, oom
-from dschat.training.stage import EpochStream, to_device
+from dschat.training import memory
+from dschat.training.stage import EpochStream, ResumableLoop, to_device
 
 
 @dataclass
@@ -115,9 +115,9 @@ def optimizer_step_normalizers(mbs: list[GroupBatch], loss_type: str, max_len: i
 
 class GRPO(OnPolicy, GRPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
-                 ema: ActorEMA | None, state: dict[str, Any]):
+                 ema: ActorEMA | None, loop: ResumableLoop):
         self.cfg, self.g, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.grpo, models, hybrid, scorer, gen
-        self.shuffle, self.ema = shuffle, ema
+        self.shuffle, self.ema, self.loop = shuffle, ema, loop
         # The policy loss's settings; an estimator that reads fewer GRPO flags sets its own.
         self.loss_type = self.g.loss_type or self.default_loss_type
         self.eps_high, self.beta, self.dynamic = self.g.eps_high, self.g.beta, self.g.dynamic
@@ -229,7 +229,6 @@ class GRPO(OnPolicy, GRPOSpec):
                                      None if baselines is None else baselines.to(dev)).to(dev)
         return GroupBatch(rollout, rewards.to(dev), advantages, old, ref), stats, dropped
 
-    @memory.phase("train_actor")
     def update(self, batch: GroupBatch) -> dict[str, float]:
         """``num_iterations`` passes of GRPO-family policy steps (``L.grpo_policy_loss``) over one generation."""
         g, actor, rl = self.g, self.models.actor, self.cfg.rl
@@ -240,7 +239,7 @@ class GRPO(OnPolicy, GRPOSpec):
             normalizers = optimizer_step_normalizers(mbs, self.loss_type, rl.max_answer_seq_len, actor.micro_steps,
                                                      self.cfg.optim.gradient_accumulation_steps)
             for i, (mb, normalizer) in enumerate(zip(mbs, normalizers, strict=True), 1):
-                with oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                with self.loop.micro_batch("train_actor", i):
                     logprobs = answer_logprobs(actor, mb.rollout, rl.temperature)
                     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
                     weights, gap = importance_weights(mb.rollout, old, rl.vllm_importance_sampling,

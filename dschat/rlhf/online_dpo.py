@@ -37,8 +37,8 @@ from dschat.rlhf.onpolicy import OnPolicy
 from dschat.rlhf.rollout import Rollout, answer_logprobs, generate_rollout, repeat_prompts
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import OnlineDPOSpec
-from dschat.training import memory, oom
-from dschat.training.stage import EpochStream, EvalLoader, lockstep_batches, to_device
+from dschat.training import memory
+from dschat.training.stage import EpochStream, EvalLoader, ResumableLoop, lockstep_batches, to_device
 
 SAMPLED_KEYS = ("sampled_implicit_accuracy", "sampled_pairs", "onpolicy_implicit_accuracy", "onpolicy_pairs")
 SAMPLED_SEED_OFFSET = 7919  # the held-out pairs' sampling seeds, apart from the reward evaluation's
@@ -53,12 +53,12 @@ def rollout_logps(model: Any, rollout: Rollout) -> tuple[torch.Tensor, torch.Ten
 
 class OnlineDPO(OnPolicy, OnlineDPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
-                 ema: ActorEMA | None, state: dict[str, Any]):
+                 ema: ActorEMA | None, loop: ResumableLoop):
         self.cfg, self.a, self.models, self.hybrid, self.scorer, self.gen = cfg, cfg.dpo, models, hybrid, scorer, gen
-        self.ema = ema
+        self.ema, self.loop = ema, loop
         self.G = cfg.grpo.num_generations
         # Totals over the run (kept in the resumable state, so a resumed run reports the same).
-        self.totals: dict[str, int] = {k: int(state.get(k, 0)) for k in ("pairs", "tie_groups", "unpaired_groups")}
+        self.totals: dict[str, int] = {k: int(loop.state.get(k, 0)) for k in ("pairs", "tie_groups", "unpaired_groups")}
 
     def describe(self) -> str:
         a = self.a
@@ -113,18 +113,18 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
             ref = rollout_logps(m.ref, selected)[0]  # once per step, the frozen initial policy
         return selected, ref, stats, dropped
 
-    @memory.phase("train_actor")
     def update(self, pairs: Rollout, ref: torch.Tensor | None) -> dict[str, float]:
         """DPO steps over the step's ``M`` pairs (chosen rows first), ``--per-device-train-batch-size`` per
         micro-batch; the metrics are means over micro-batches and ranks."""
         M, actor = pairs.sequences.shape[0] // 2, self.models.actor
         if M == 0:  # every group tied on every rank (M is the fewest on any rank): nothing to learn from
-            return {}
+            with memory.phase("train_actor"):  # no micro-batch, but every step's row has the phase's figures
+                return {}
         sums: dict[str, float] = {}
         chunks = torch.arange(M).split(self.cfg.optim.per_device_train_batch_size)
         for i, idx in enumerate(chunks, 1):
             rows = torch.cat([idx, idx + M])  # the chunk's chosen rows, then its rejected rows
-            with oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+            with self.loop.micro_batch("train_actor", i):
                 logps, lengths = rollout_logps(actor, pairs.select(rows.to(pairs.sequences.device)))
                 r = ref[rows.to(ref.device)] if ref is not None else None
                 out = pair_loss(self.a, logps, lengths, r)
@@ -184,7 +184,8 @@ class OnlineDPO(OnPolicy, OnlineDPOSpec):
         if self.models.ref is None:
             return {}
         m = self.models
-        initial = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend)
+        initial = HybridEngine(m.ref, m.tokenizer.pad_token_id, m.tokenizer.eos_token_id, backend=self.hybrid.backend,
+                               agent=self.hybrid.agent)
         # RNG-neutral: iterating a DataLoader draws from the global generator, and training's sampling must not
         # depend on whether this evaluation ran
         out: dict[str, Any] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dschat.data.collators import DataCollatorRLHF
-from dschat.evaluation.policy import evaluate
+from dschat.rlhf.evaluation import evaluate
 
 
 class OnPolicy:

@@ -33,8 +33,8 @@ from dschat.rlhf.rollout import (
 )
 from dschat.rlhf.scoring import Scorer
 from dschat.rlhf.specs import PPOSpec
-from dschat.training import memory, oom
-from dschat.training.stage import EpochStream, to_device, train_loader
+from dschat.training import memory
+from dschat.training.stage import EpochStream, ResumableLoop, to_device, train_loader
 
 
 @dataclass
@@ -71,11 +71,12 @@ class Experience:
 
 class PPO(OnPolicy, PPOSpec):
     def __init__(self, cfg: Any, models: Any, hybrid: Any, scorer: Scorer, gen: Any, shuffle: torch.Generator,
-                 ema: ActorEMA | None, state: dict[str, Any]):
+                 ema: ActorEMA | None, loop: ResumableLoop):
         self.cfg, self.p, self.models, self.hybrid, self.scorer = cfg, cfg.ppo, models, hybrid, scorer
         self.gen = replace(gen, logprobs=True)  # the sampling pass's log-probs are PPO's old log-probs
-        self.shuffle, self.ema = shuffle, ema
+        self.shuffle, self.ema, self.loop = shuffle, ema, loop
         p = self.p
+        state = loop.state
         self.kl_ctl = L.AdaptiveKLController(p.kl_ctl, p.kl_target, p.kl_horizon) if p.kl_target is not None \
             else L.FixedKLController(p.kl_ctl)
         if "kl_ctl" in state:
@@ -174,7 +175,7 @@ class PPO(OnPolicy, PPOSpec):
         for _ in range(p.ppo_epochs):
             for i, mb in enumerate(exp.minibatches(self.cfg.optim.per_device_train_batch_size, self.shuffle), 1):
                 mask = mb.rollout.action_mask
-                with memory.phase("train_actor"), oom.training_micro_batch("train_actor", i, oom.last_state_kept):
+                with self.loop.micro_batch("train_actor", i):
                     logprobs = answer_logprobs(m.actor, mb.rollout, self.cfg.rl.temperature)
                     weights, gap = importance_weights(mb.rollout, mb.old_logprobs,
                                                       self.cfg.rl.vllm_importance_sampling,
@@ -193,7 +194,7 @@ class PPO(OnPolicy, PPOSpec):
                         sums["train/unsup_loss"] = sums.get("train/unsup_loss", 0.0) + lm_loss.item()
                     if self.ema is not None and m.actor.global_steps != steps_before:
                         self.ema.update(m.actor)
-                with memory.phase("train_critic"), oom.training_micro_batch("train_critic", i, oom.last_state_kept):
+                with self.loop.micro_batch("train_critic", i):
                     values = answer_values(m.critic, mb.rollout)
                     critic = L.ppo_value_loss(values, mb.old_values, mb.returns, mask, p.cliprange_value)
                     m.critic.backward(critic.loss)

@@ -14,12 +14,12 @@ uses them instead of a second actor forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dschat.agents.episode import EpisodeInfo
+from dschat.agents.episode import EpisodeInfo, Episodes
 from dschat.data.packing import (
     attention_balance,
     layout_attention,
@@ -28,7 +28,8 @@ from dschat.data.packing import (
     shared_prefix_mask,
     shared_prompt_groups,
 )
-from dschat.generation.decode import Generated, decode_answers
+from dschat.generation.decode import Generated, GenerationConfig, decode_answers
+from dschat.generation.hybrid_engine import HybridEngine
 from dschat.models.logits import token_logps
 from dschat.training import memory, oom
 
@@ -257,32 +258,29 @@ def answer_values(critic: Any, rollout: Rollout) -> torch.Tensor:
     return by_halves("experience", critic, rollout, forward)
 
 
-def generate_rollout(hybrid: Any, tokenizer: Any, batch: dict[str, Any], gen: Any, seed: int | None = None,
-                     min_answer_len: int = 2) -> tuple[Rollout, int]:
-    """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them;
-    every algorithm's rollouts and evaluation come from here (the ``generate`` phase of ``memory``).
+def generate_rollout(hybrid: HybridEngine, tokenizer: Any, batch: dict[str, Any], gen: GenerationConfig,
+                     seed: int | None = None, min_answer_len: int = 2) -> tuple[Rollout, int]:
+    """Sample answers for a batch of left-padded prompts through the hybrid engine and mask them; every
+    algorithm's rollouts and evaluation come from here (the ``generate`` phase of ``memory``). With the hybrid
+    engine's ``agent`` (tools, environments) every batch is a batch of episodes, whose counts go to the agent.
 
     A generation that runs out of memory samples the halves of the batch instead (``dschat.training.oom``), their
     rollouts joined in the batch's order (answers right-padded to the longer half's). Greedy answers are those
     of the whole batch; sampled ones are drawn afresh for each half, from the same distribution, but not the same
     draws: the sampler's random stream is consumed per batch (docs/planning.md, Out of memory)."""
     prompt, mask = batch["prompt"], batch["prompt_att_mask"]
-    rows = episode_rows(tokenizer, batch) if gen.agent is not None else []
+    agent = hybrid.agent
+    rows = episode_rows(tokenizer, batch) if agent is not None else []
 
     def run(a: int, b: int) -> tuple[Rollout, int]:
         p, m = (prompt, mask) if (a, b) == (0, prompt.shape[0]) else (prompt[a:b], mask[a:b])
-        if gen.agent is not None:  # a batch of episodes: tools and environments answer inside the decode loop
-            from dschat.agents.episode import Episodes
-
+        if agent is not None:  # a batch of episodes: tools and environments answer as it samples
             eos = hybrid.eos_token_id if isinstance(hybrid.eos_token_id, list) else [hybrid.eos_token_id]
-            episodes = Episodes(gen.agent, tokenizer, rows[a:b], eos, tokenizer.pad_token_id)
-            out = hybrid.sample(p, m, replace(gen, episodes=episodes), generator_seed=seed)
-            rollout, short = make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len)
-            info, policy = rollout.episode, int(out.policy_mask.sum())
-            assert info is not None
-            gen.agent.record(len(info.texts), sum(info.turns), sum(info.calls), sum(info.errors), policy,
-                             int(out.real_mask.sum()) - policy)
-            return rollout, short
+            episodes = Episodes(agent, tokenizer, rows[a:b], eos, tokenizer.pad_token_id)
+            out = hybrid.sample(p, m, gen, generator_seed=seed, episodes=episodes)
+            assert out.real_mask is not None and out.policy_mask is not None
+            agent.counts += episodes.counts(out.real_mask, out.policy_mask)
+            return make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len)
         out = hybrid.sample(p, m, gen, generator_seed=seed)
         return make_rollout(p, m, out.sequences, tokenizer.eos_token_id, tokenizer.pad_token_id,
                             min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs)

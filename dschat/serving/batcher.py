@@ -169,10 +169,6 @@ class Batcher:
                     self._large = None
             return pack
 
-    @staticmethod
-    def _used(pack: list[tuple[Job, int, int]]) -> int:
-        return sum(sum(job.widths[a:b]) for job, a, b in pack)
-
     def _run(self) -> None:
         while True:
             pack = self._next_pack()

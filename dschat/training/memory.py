@@ -1,9 +1,10 @@
 """Memory per phase of a run, measured in every run (docs/planning.md, Memory in every run).
 
 Phases: stages 1-2 ``train`` and ``eval``; stage 3 ``generate``, ``experience``, ``train_actor``, ``train_critic``
-and ``eval``. A phase is a ``with phase(name):`` block around the code that runs it; blocks nest, and the bytes of
-an inner block count for the inner phase only (the ``generate`` inside stage 3's ``experience``), so each phase's
-figure is its own.
+and ``eval``. A phase is a ``with phase(name):`` block around the code that runs it (a training micro-batch's is
+entered by the loop's ``dschat.training.stage.ResumableLoop.micro_batch``); blocks nest, and the bytes of an inner
+block count for the inner phase only (the ``generate`` inside stage 3's ``experience``), so each phase's figure is
+its own.
 
 What a phase records, as its peak over the blocks since the figures were last taken:
 

@@ -20,7 +20,7 @@ from dschat.data.packing import check_packing
 from dschat.devices import resolve_dtype
 from dschat.models.loading import load_tokenizer, resolve_model
 from dschat.models.lora import lora_param_groups
-from dschat.training import memory, oom
+from dschat.training import memory
 from dschat.training.health import HealthMonitor
 from dschat.training.run_tracker import RunTracker
 from dschat.training.stage import (
@@ -131,16 +131,9 @@ def train_one_model(cfg: Any, spec: OneModelStage) -> Trained:
 
     micro = [0]  # micro-batches of the optimizer step under way
 
-    def keep_state() -> str:  # after a micro-batch ran out of memory: the last optimizer step's state
-        if E.world_size() > 1:  # saving is collective, and the other ranks are elsewhere
-            return oom.last_state_kept()
-        saved = loop.save()
-        return f"kept the state of step {loop.step}: {saved}; continue with --resume" if saved else \
-            oom.last_state_kept()
-
     def micro_step(batch: dict[str, Any]) -> None:
         micro[0] += 1
-        with memory.phase("train"), oom.training_micro_batch("train", micro[0], keep_state):
+        with loop.micro_batch("train", micro[0]):
             stats = spec.micro_step(engine, batch)
         for k, v in stats.items():
             window[k] = window.get(k, 0.0) + v

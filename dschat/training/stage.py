@@ -21,8 +21,9 @@ from dschat.config import DataArgs, OptimArgs, RunArgs, to_flat_dict
 from dschat.data.packing import LengthGroupedSampler, best_capacity, pack_rows
 from dschat.errors import ExitCode, UserError
 from dschat.models.loading import TINY
-from dschat.training import memory, oom
+from dschat.training import memory
 from dschat.training.lock import claim_output_dir
+from dschat.training.oom_advice import Advisor
 from dschat.training.resume import Checkpointer, _rng_state, _set_rng_state, checkpoint_root, latest_state
 from dschat.training.sinks import RUN_IDS, check_trackers
 from dschat.utils import METRICS_FILE, set_seed, write_json
@@ -36,8 +37,12 @@ SMALL_MODEL_PARAMS = 50_000_000
 
 @dataclass
 class Stage:
+    """A running stage: its name (the log prefix), its output folder, and its advisor for a training micro-batch
+    that runs out of memory (the stage and flags the planner needs, ``dschat.training.oom_advice``)."""
+
     name: str
     output_dir: Path
+    advisor: Advisor
 
     def log(self, text: str) -> None:
         if E.is_main():
@@ -66,7 +71,6 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
         raise UserError(f"{out} holds a resumable training state ({latest}); pass --resume to "
                         "continue it or --force to start over")
     set_seed(run.seed)
-    stage = Stage(name, out)
     if E.is_main():
         if not (run.resume and latest is not None):  # a fresh start: nothing of an older run stays
             for stale in (METRICS_FILE, "eval.json", "health.jsonl", RUN_IDS):
@@ -77,7 +81,8 @@ def begin_stage(cfg: Any, name: str, default_output: str) -> Stage:
         write_json(out / "args.json", {"stage": name, "world_size": E.world_size(), **to_flat_dict(cfg)})
     E.barrier()
     memory.reset()  # this run's figures only (a rollback runs the stage again in this process)
-    if (line := oom.begin_run(name, to_flat_dict(cfg), out, E.world_size())) is not None:
+    stage = Stage(name, out, Advisor.for_stage(name, to_flat_dict(cfg), out, E.world_size()))
+    if (line := stage.advisor.start_line()) is not None:
         stage.log(line)
     return stage
 
@@ -233,8 +238,9 @@ class EpochStream:
 
 class ResumableLoop:
     """The training loop's skeleton, written once for every stage: resume from the output folder's latest state,
-    count steps, save a state every ``--save-interval`` steps and (``--save-final-state``) at the end, and turn
-    Ctrl-C into a saved state and a clean exit.
+    count steps, save a state every ``--save-interval`` steps and (``--save-final-state``) at the end, turn
+    Ctrl-C into a saved state and a clean exit, and run each training micro-batch (``micro_batch``: its memory
+    phase, and out of memory stopping the run in one line).
 
     Two drivers share it: ``run`` (stages 1 and 2: micro-batches from a loader, a step per optimizer step, Ctrl-C
     saves at once) and ``updates`` (stage 3: a step per algorithm update, which is long, so Ctrl-C saves at the
@@ -255,6 +261,7 @@ class ResumableLoop:
         self.extras: dict[str, Any] = {}
         self.health: Any = None  # a HealthMonitor: responds to its alarms after each step (dschat.training.health)
         self._save_now: Callable[[], Path | None] = self.save
+        self._save_on_oom = False  # the driver ``run`` (stages 1-2) sets it: see ``_kept_after_oom``
         self._boundary: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]] | None = None
 
     def watch(self, health: Any) -> None:
@@ -265,6 +272,24 @@ class ResumableLoop:
     def save_now(self) -> Path | None:
         """A state of the step just counted (what a health alarm saves), as the running driver saves it."""
         return self._save_now()
+
+    @contextlib.contextmanager
+    def micro_batch(self, phase: str, n: int) -> Iterator[None]:
+        """Run training micro-batch ``n`` (from 1, within its step) of memory phase ``phase`` (``train``,
+        ``train_actor``, ``train_critic``: measured as ``memory/<phase>_*``). Out of memory in it stops the run
+        (``OutOfMemoryStop``, exit code 4) in one line with the planner's advice and the state kept; every stage
+        and algorithm runs its forward, backward and optimizer step in it."""
+        with memory.phase(phase), self.stage.advisor.stop_on_oom(phase, n, self._kept_after_oom):
+            yield
+
+    def _kept_after_oom(self) -> str:
+        """What a run stopped by out of memory keeps. Stages 1-2 on one rank: a state of the last optimizer step
+        (the failed micro-batch's gradients are not kept). With more ranks (saving is collective, and the other
+        ranks are elsewhere) and in stage 3 (whose update may already have taken optimizer steps): the last state
+        saved before."""
+        if self._save_on_oom and E.world_size() == 1 and (saved := self.save()) is not None:
+            return f"kept the state of step {self.step}: {saved}; continue with --resume"
+        return self.stage.advisor.last_state_kept()
 
     def save(self, fields: dict[str, Any] | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path | None:
         """A state of this step (``fields`` default: the position and ``extras``); None inside a
@@ -296,6 +321,7 @@ class ResumableLoop:
         device); ``on_step(step, epoch)`` follows each optimizer step (metrics, logging, evaluation)."""
         dev = E.device()
         engine = next(iter(self.engines.values()))
+        self._save_on_oom = True
         with save_on_interrupt(self.save):
             self._start_state(self.save)
             for epoch, done, batch in resumable_batches(loader, epochs, self.position["epoch"],

@@ -168,3 +168,54 @@ def test_bad_device_is_a_user_error():
     with pytest.raises(UserError, match="--device"):
         pick_device("nonsense")
     assert str(pick_device("cpu")) == "cpu"
+
+
+# ------------------------------------------------------------------------------------------ declared flags
+def test_agent_flags_reach_the_agent(monkeypatch, tmp_path):
+    """--tools, --env, --env-column, --max-turns, --tool-timeout and --tool-max-output are AgentArgs' flags, and
+    build_agent gets them as given."""
+    from click.testing import CliRunner
+
+    from dschat.cli.chat import chat_command
+    from dschat.config import AgentArgs
+
+    got = []
+
+    def build_agent(args):
+        got.append(args)
+        raise UserError("stop before the model loads")
+
+    monkeypatch.setattr("dschat.agents.agent.build_agent", build_agent)
+    result = CliRunner().invoke(chat_command, [
+        "--model", "tiny", "--prompt", "hi", "--tools", "calculator", "--env", "a.py:A", "--env", "b.py:B",
+        "--env-column", "task", "--max-turns", "3", "--tool-timeout", "2.5", "--tool-max-output", "77"])
+    assert isinstance(result.exception, UserError) and "stop before" in str(result.exception), result.output
+    [args] = got
+    assert isinstance(args, AgentArgs)
+    assert (args.tools, args.env, args.env_column, args.max_turns, args.tool_timeout, args.tool_max_output) == \
+        (["calculator"], ["a.py:A", "b.py:B"], "task", 3, 2.5, 77)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tool-timeout", "5"], "--tool-timeout has no effect without --tools or --env"),
+    (["--tool-max-output", "10"], "--tool-max-output has no effect without --tools or --env"),
+    (["--max-turns", "2"], "--max-turns has no effect without --tools or --env"),
+    (["--tools", "calculator", "--env-column", "task"], "--env-column has no effect without two or more --env"),
+    (["--greedy", "--temperature", "0.5"], "--temperature has no effect with --greedy"),
+    (["--greedy", "--seed", "3"], "--seed has no effect with --greedy"),
+    (["--top-p", "1.5"], "--top-p must be <= 1"),
+    (["--temperature", "0"], "for greedy decoding pass --greedy"),
+])
+def test_a_flag_that_does_nothing_or_is_out_of_range_is_refused(args, says):
+    from click.testing import CliRunner
+
+    from dschat.cli.chat import chat_command
+
+    result = CliRunner().invoke(chat_command, ["--model", "tiny", "--prompt", "hi", *args])
+    assert isinstance(result.exception, UserError) and says in str(result.exception), result.output
+
+
+def test_an_inert_flag_is_one_line_and_exit_code_2():
+    proc = run_cli("chat", "--model", "tiny", "--prompt", "hi", "--tool-timeout", "5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "dschat: error: --tool-timeout has no effect without --tools or --env"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,33 @@ def test_a_stage_help_lists_its_own_flags(step):
     text = _help(["train", "--step", str(step), "--help"])["text"]
     own = {1: "--teacher-model", 2: "--rm-loss", 3: "--actor-model"}[step]
     assert own in text and "--output-dir" in text
+
+
+def _backend_choices(text: str) -> list[str]:
+    m = re.search(r"--generation-backend(?:, --generation_backend)? \[([a-z|]+)\]", text)
+    assert m, text[:2000]
+    return m.group(1).split("|")
+
+
+@pytest.mark.parametrize("argv, fallback", [(["chat"], "else hf (dschat's loop with --tools or --env)."),
+                                            (["judge"], "else hf."),
+                                            (["eval"], "else dschat (--judge: hf).")])
+def test_sampling_commands_offer_stage_3_s_backends_and_say_what_auto_picks(argv, fallback):
+    """--generation-backend is one declaration: the same choices as stage 3's (graph among them), and a help that
+    says what auto picks in that command."""
+    stage3 = _backend_choices(_help(["train", "--step", "3", "--help"])["text"])
+    text = _help([*argv, "--help"])["text"]
+    assert "graph" in stage3 and _backend_choices(text) == stage3
+    flat = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(text.split()))  # the help's line breaks undone
+    assert "auto = vllm on a GPU where it is installed and runs the model, else graph on a GPU for a " \
+           "Llama-architecture model" in flat
+    assert fallback in flat
+
+
+def test_chat_takes_every_agent_flag():
+    text = _help(["chat", "--help"])["text"]
+    for flag in ("--tools", "--env", "--env-column", "--max-turns", "--tool-timeout", "--tool-max-output"):
+        assert f"{flag} " in text or f"{flag}," in text, flag
 
 
 def test_the_stage_scripts_import_without_the_training_stack():

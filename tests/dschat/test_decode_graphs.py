@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.generation import graphs as GR
-from dschat.generation.decode import DschatBackend, GenerationConfig
+from dschat.generation.decode import DschatBackend, GenerationConfig, GraphBackend
 from dschat.generation.lean_llama import LeanLlama, grouped_attention
 from dschat.rlhf.rollout import answer_logprobs, make_rollout
 from tests.dschat.test_generation import PAD, hf_greedy, model_of, prompts
@@ -22,7 +22,7 @@ def backends() -> dict[str, DschatBackend]:
     return {"growing": DschatBackend(constant_shapes=False),
             "constant": DschatBackend(constant_shapes=True),
             "constant_grouped": DschatBackend(constant_shapes=True),
-            "graph": DschatBackend(graph=True, capture=False)}
+            "graph": GraphBackend(capture=False)}
 
 
 def run(backend: DschatBackend, model, ids, mask, cfg, eos=1, seed=0, grouped=False, monkeypatch=None):
@@ -117,7 +117,7 @@ def test_graph_buckets_pad_rows_and_keep_captures(monkeypatch):
     monkeypatch.setattr(GR.CapturedStep, "_capture", fake_capture)
     model = model_of("llama")
     ids, mask = prompts()
-    backend = DschatBackend(graph=True, capture=True)
+    backend = GraphBackend(capture=True)
     greedy = GenerationConfig(max_new_tokens=10, do_sample=False)
     with torch.no_grad():
         want = hf_greedy(model, ids, mask, 10, eos=1)
@@ -209,7 +209,7 @@ def test_zero3_generation_gathers_once_per_call(backend, monkeypatch):
         return real(params, *a, **k)
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", counted)
-    chosen = DschatBackend(graph=True, capture=False) if backend == "graph" else DschatBackend()
+    chosen = GraphBackend(capture=False) if backend == "graph" else DschatBackend()
     hybrid = HybridEngine(eng, pad_token_id=0, eos_token_id=2, backend=chosen)
     ids = torch.randint(4, 100, (3, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from dschat.apps.best_of_n import GenerateConfig
 from dschat.config import AgentArgs
-from dschat.generation.best_of_n import GenerateConfig
 from dschat.rewards.names import given_or_default
 from tests.helpers import run_cli
 
@@ -26,7 +26,7 @@ def test_the_environments_own_the_reward_unless_reward_funcs_are_given():
 
 
 def test_eval_and_generate_default_to_the_environments_reward():
-    from dschat.evaluation.saved_policy import reward_sources
+    from dschat.apps.saved_policy import reward_sources
     from dschat.rlhf.config import RewardArgs
 
     assert reward_sources(RewardArgs(), AgentArgs(env=["e.py:Guess"])) == ["env"]

@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 
 import dschat.rlhf.rollout as R
-from dschat.config import SFTConfig, build_config, refuse_inert
-from dschat.demo import demo_files
-from dschat.errors import UserError
-from dschat.generation.best_of_n import (
+from dschat.apps.best_of_n import (
     GenerateConfig,
     Sample,
     best_and_worst,
@@ -24,6 +21,9 @@ from dschat.generation.best_of_n import (
     generate,
     prompt_rows,
 )
+from dschat.config import SFTConfig, build_config, refuse_inert
+from dschat.demo import demo_files
+from dschat.errors import UserError
 from dschat.rlhf.config import RLHFConfig
 from tests.helpers import ROOT, read_json, read_jsonl, run_cli
 from tests.helpers import run_stage as run

@@ -67,7 +67,7 @@ def test_greedy_equals_hf_generate(kind):
     model = model_of(kind)
     ids, mask = prompts()
     backend = DschatBackend()
-    lean = isinstance(backend.decoder(model, 3, 30), LeanLlama)
+    lean = isinstance(backend.eager(model, 3, 30), LeanLlama)
     assert lean == (kind != "gpt2")
     with torch.no_grad():
         free = hf_greedy(model, ids, mask, 20, eos=1)  # token 1 as EOS: rarely produced
@@ -189,22 +189,21 @@ def test_on_token_streams_every_step_and_stops_all_rows(backend):
     ids, mask = prompts()
     seen: list[torch.Tensor] = []
 
-    def on_token(tok: torch.Tensor) -> bool:
+    def on_token(tok: torch.Tensor, policy: torch.Tensor) -> bool:
         seen.append(tok.clone())
         return len(seen) == 3
 
     with torch.no_grad():
-        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=20, do_sample=False,
-                                                                  on_token=on_token), 1, PAD)
+        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=20, do_sample=False), 1, PAD,
+                               on_token=on_token)
         full = hf_greedy(model, ids, mask, 20, eos=1)
     assert got.sequences.shape[1] == ids.shape[1] + 3 and len(seen) == 3
     assert torch.equal(torch.stack(seen, 1), got.sequences[:, ids.shape[1]:])
     assert torch.equal(got.sequences, full[:, : ids.shape[1] + 3])
     seen.clear()  # a hook that never stops sees every token, the last one included
     with torch.no_grad():
-        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=5, do_sample=False,
-                                                                  on_token=lambda tok: seen.append(tok) and False),
-                               1, PAD)
+        got = backend.generate(model, ids, mask, GenerationConfig(max_new_tokens=5, do_sample=False), 1, PAD,
+                               on_token=lambda tok, policy: seen.append(tok) and False)
     assert torch.equal(torch.stack(seen, 1), got.sequences[:, ids.shape[1]:]) and len(seen) == 5
 
 
@@ -235,7 +234,7 @@ def test_wrapped_layers_take_the_forward_path():
     model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
     ok, why = LeanLlama.supported(model, 30)
     assert not ok and "wrapped" in why
-    assert isinstance(DschatBackend().decoder(model, 3, 30), HFForward)
+    assert isinstance(DschatBackend().eager(model, 3, 30), HFForward)
 
 
 def test_warpers_hand_worked():

@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from dschat.generation import graphs as GR
-from dschat.generation.decode import DschatBackend, GenerationConfig
+from dschat.generation.decode import DschatBackend, GenerationConfig, GraphBackend
 from dschat.generation.hybrid_engine import HybridEngine
 from tests.dschat.test_generation import PAD, hf_greedy, model_of, prompts
 
@@ -190,7 +190,7 @@ def test_captures_are_counted_per_generate_phase_and_released_before_training(fa
     captures again; a phase without generation reports zero."""
     model = model_of("llama")
     ids, mask = prompts()
-    backend = DschatBackend(graph=True, capture=True)
+    backend = GraphBackend(capture=True)
     hybrid = HybridEngine(model, PAD, 1, backend=backend)
     want = hf_greedy(model, ids, mask, 8, eos=1)
     counts = []
@@ -228,7 +228,7 @@ def test_weights_gathered_into_new_memory_cost_no_extra_capture_per_step(fake_ca
     model = model_of("llama")
     ids, mask = prompts()
     want = hf_greedy(model, ids, mask, 8, eos=1)
-    hybrid = HybridEngine(model, PAD, 1, backend=DschatBackend(graph=True, capture=True))
+    hybrid = HybridEngine(model, PAD, 1, backend=GraphBackend(capture=True))
 
     def moved() -> None:
         for p in model.parameters():
@@ -269,7 +269,7 @@ def test_zero3_steps_capture_once_each_and_answer_as_hf(fake_capture):
     model = LlamaForCausalLM(tiny_model_config(num_hidden_layers=2, hidden_size=128, intermediate_size=256))
     eng = E.build_train_engine(model, engine=EngineArgs(zero_stage=3), optim=OptimArgs(
         learning_rate=1e-2, per_device_train_batch_size=2, num_warmup_steps=0), dtype=torch.float32, total_steps=2)
-    backend = DschatBackend(graph=True, capture=True)
+    backend = GraphBackend(capture=True)
     hybrid = HybridEngine(eng, pad_token_id=0, eos_token_id=2, backend=backend)
     ids = torch.randint(4, 100, (3, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -304,7 +304,7 @@ def test_stage3_logs_captures_per_step_and_trains_without_them(tmp_path, fake_ca
     backends: list[DschatBackend] = []
 
     def graph_backend(*args, **kwargs):
-        backends.append(DschatBackend(graph=True, capture=True))
+        backends.append(GraphBackend(capture=True))
         return backends[-1]
 
     held = []  # (where, captures held) at each scoring and each policy update

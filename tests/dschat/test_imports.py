@@ -25,6 +25,11 @@ default data, so the demo's held-out figures can be reproduced) and ``dschat.cli
 without ``--data`` reads the stage's default, the demo corpus, as the stage would).
 The stage mains live outside ``dschat/`` and pass ``dschat.demo.demo_data`` to the library as their default
 data, so the library itself never names the demo.
+
+Inside the library the packages have an order (``PACKAGE_ORDER``, the one docs/architecture.md states): a module
+imports packages below its own, or siblings on its own line, never one above, except the edges of
+``ALLOWED_UPWARD``, each there on purpose with its reason. A new upward import fails here until it goes down
+instead, or is added to that list and to the page with its reason.
 """
 
 from __future__ import annotations
@@ -39,6 +44,34 @@ CLI = "dschat.cli"
 DEMO = "dschat.demo"
 DEMO_COMMANDS = frozenset({"dschat.cli.pipeline", "dschat.cli.data", "dschat.cli.eval", "dschat.cli.doctor"})
 LAYER_FILES = frozenset({"dschat.cli.main"})  # where the lazily loaded COMMANDS table lives
+
+# The library's packages, top to bottom (docs/architecture.md, Import rules); the packages of one entry are
+# siblings, neither above the other. The core, the modules at the root of dschat/, is below them all (CORE); the
+# CLI layer and the demo are outside the order (the layer rules above).
+PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
+    ("apps", "doctor", "serving"),  # a command's whole job, or the library of one command
+    ("rlhf",),  # stage 3 by role, its held-out evaluation with it
+    ("evaluation",),  # the held-out evaluations of stages 1 and 2 and of a judge
+    ("rewards",),  # reward sources
+    ("generation",),  # the one decode path
+    ("training",),  # runs: the loop skeleton, states, tracking
+    ("planning",),  # memory and time from the flags alone, no torch
+    ("data", "models"),  # rows to batches; models
+    ("agents",),  # tools and environments, which the decode loop drives and the data renders
+)
+CORE = "<core>"
+
+# Every import that goes up PACKAGE_ORDER, on purpose: (importing package, imported package, importing module).
+# docs/architecture.md names each one with the same reason; an edge that is gone must leave both lists.
+ALLOWED_UPWARD: frozenset[tuple[str, str, str]] = frozenset({
+    # The planner plans stage 3 from its flags alone: it builds stage 3's config (rlhf.config, whose algorithm
+    # answers come from rlhf.specs), which imports no torch, so `dschat plan` stays light. The planner sits below
+    # training so that a run can ask it for the flags that would fit (a downward import).
+    ("planning", "rlhf", "dschat.planning.plan"),
+    # ... and it names the model-scored reward sources (rewards.names: the names without the scorers, no torch)
+    # to count the reward model and the judge among stage 3's models.
+    ("planning", "rewards", "dschat.planning.plan"),
+})
 
 Graph = dict[str, dict[str, str]]  # module -> {imported module: "file:line" of the first such import}
 
@@ -183,6 +216,48 @@ def layer_violations(graph: Graph) -> list[str]:
     return bad
 
 
+def library_package(module: str) -> str | None:
+    """The package of ``PACKAGE_ORDER`` a module belongs to (``CORE`` for ``dschat`` itself and the modules at its
+    root), or None for the CLI layer and the demo."""
+    if "." not in module or is_core(module):
+        return CORE
+    if in_cli_layer(module) or _in_demo(module):
+        return None
+    return module.split(".")[1]
+
+
+def _rank(package: str) -> int | None:
+    if package == CORE:
+        return len(PACKAGE_ORDER)
+    return next((i for i, line in enumerate(PACKAGE_ORDER) if package in line), None)
+
+
+def upward_edges(graph: Graph) -> dict[tuple[str, str, str], str]:
+    """Every import of a library module that goes up ``PACKAGE_ORDER``, as ``(importing package, imported package,
+    importing module) -> "imported module (file:line)"`` of its first such import. A package missing from the
+    order counts as above everything (test_every_library_package_has_a_place_in_the_order names it)."""
+    out: dict[tuple[str, str, str], str] = {}
+    for m, deps in sorted(graph.items()):
+        src = library_package(m)
+        if src is None:
+            continue
+        for dep, where in sorted(deps.items(), key=lambda d: (d[0].count(".") < 2, d[0])):  # modules before packages
+            dst = library_package(dep)
+            if dst is None or dst == src:
+                continue
+            a, b = _rank(src), _rank(dst)
+            if b is None or (a is not None and b < a):
+                out.setdefault((src, dst, m), f"{dep} ({where})")
+    return out
+
+
+def unexpected_upward(graph: Graph) -> list[str]:
+    """Each upward import not in ``ALLOWED_UPWARD``, as one line that says what to do about it."""
+    return [f"{m} imports {what}: {src} is below {dst} in the package order (docs/architecture.md); "
+            "import downward or move the code, or add the edge to ALLOWED_UPWARD and the page with its reason"
+            for (src, dst, m), what in sorted(upward_edges(graph).items()) if (src, dst, m) not in ALLOWED_UPWARD]
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 FILES = module_files(PACKAGE_DIR)
 GRAPH = import_graph(PACKAGE_DIR)
@@ -208,6 +283,41 @@ def test_the_layer_check_fails_on_a_library_module_importing_the_cli() -> None:
     assert any(b.startswith("dschat.rlhf.ppo imports dschat.cli.options") for b in bad), bad
     assert any("core at the root" in b for b in layer_violations(
         {**GRAPH, "dschat.losses": {"dschat.rlhf": "dschat/losses.py:1"}})), "core rule not checked"
+
+
+def test_every_library_package_has_a_place_in_the_order() -> None:
+    """Each package under ``dschat/`` but the CLI layer and the demo is in ``PACKAGE_ORDER`` once, and the order
+    names no package that is not there: a new package is placed before its imports can be checked."""
+    on_disk = {m.split(".")[1] for m in FILES if m.count(".") == 1 and _is_package(m, FILES)} - {"cli", "demo"}
+    named = [p for line in PACKAGE_ORDER for p in line]
+    assert len(named) == len(set(named)), f"a package twice in PACKAGE_ORDER: {named}"
+    assert sorted(on_disk - set(named)) == [], "packages missing from PACKAGE_ORDER (and docs/architecture.md)"
+    assert sorted(set(named) - on_disk) == [], "PACKAGE_ORDER names packages that do not exist"
+
+
+def test_imports_go_down_the_package_order() -> None:
+    """No library module imports a package above its own (function-local imports too), but the edges of
+    ``ALLOWED_UPWARD``; and each allowed edge still exists, so the list (and the page) says what the code does."""
+    bad = unexpected_upward(GRAPH)
+    assert not bad, "imports up the package order of dschat/:\n" + "\n".join(bad)
+    gone = sorted(ALLOWED_UPWARD - set(upward_edges(GRAPH)))
+    assert not gone, f"ALLOWED_UPWARD names edges the code no longer has (remove them here and in the page): {gone}"
+
+
+def test_the_order_check_fails_on_a_planted_upward_import() -> None:
+    """The rule itself: a planted upward import (data importing stage 3's scoring; the core importing a package)
+    is reported with its package pair and module, while a downward one and one between siblings are not."""
+    planted = {**GRAPH, "dschat.data.formats": {**GRAPH["dschat.data.formats"],
+                                                "dschat.rlhf.scoring": "dschat/data/formats.py:1"},
+               "dschat.rlhf.ppo": {**GRAPH["dschat.rlhf.ppo"], "dschat.agents.tools": "dschat/rlhf/ppo.py:1"},
+               "dschat.models.lora": {**GRAPH["dschat.models.lora"], "dschat.data.usertext": "dschat/models/lora.py:1"},
+               "dschat.units": {**GRAPH["dschat.units"], "dschat.training.lock": "dschat/units.py:1"}}
+    edges = upward_edges(planted)
+    assert ("data", "rlhf", "dschat.data.formats") in edges and ("<core>", "training", "dschat.units") in edges
+    assert not any(m in ("dschat.rlhf.ppo", "dschat.models.lora") for _, _, m in edges), edges
+    bad = unexpected_upward(planted)
+    assert any(b.startswith("dschat.data.formats imports dschat.rlhf.scoring (dschat/data/formats.py:1)")
+               for b in bad), bad
 
 
 def test_only_the_cli_layer_imports_click() -> None:

@@ -332,3 +332,26 @@ def test_eval_judge_and_judge_commands_on_the_tiny_model(tmp_path):
     proc = run_cli("judge", "--model", "tiny", "--question", "Q", "--answer-a", "a", "--answer-b", "b",
                    "--system-prompt", str(tmp_path / "missing.txt"))
     assert proc.returncode == 2 and "missing.txt: judge system prompt file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "0.5"), ("--top-p", "0.9"), ("--seed", "7")])
+def test_judge_refuses_sampling_flags_with_one_vote(flag, value):
+    """One vote is greedy: the sampling flags do nothing, so giving one stops with one line."""
+    from click.testing import CliRunner
+
+    from dschat.cli.judge import judge_command
+
+    args = ["--model", "tiny", "--question", "Q", "--answer-a", "a", "--answer-b", "b", flag, value]
+    result = CliRunner().invoke(judge_command, args)
+    assert isinstance(result.exception, UserError), result.output
+    assert str(result.exception) == f"{flag} has no effect without --votes > 1 (one vote is greedy)"
+
+
+def test_judge_s_generation_backend_takes_the_declared_choices():
+    from click.testing import CliRunner
+
+    from dschat.cli.judge import judge_command
+
+    result = CliRunner().invoke(judge_command, ["--model", "tiny", "--question", "Q", "--answer-a", "a",
+                                                "--answer-b", "b", "--generation-backend", "nope"])
+    assert result.exit_code == 2 and "'graph'" in result.output  # the declared choices, graph among them

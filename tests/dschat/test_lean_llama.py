@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import dschat.generation.lean_llama as L
-from dschat.generation.decode import DschatBackend, GenerationConfig
+from dschat.generation.decode import DschatBackend, GenerationConfig, GraphBackend
 from dschat.generation.lean_llama import LeanLlama
 from dschat.rlhf.rollout import answer_logprobs, make_rollout
 from tests.dschat.test_generation import PAD, SMALL, hf_greedy, model_of, prompts
@@ -120,7 +120,7 @@ def test_norm_is_hf_rmsnorm(dtype):
 def fused_backends() -> dict[str, DschatBackend]:
     return {"growing": DschatBackend(constant_shapes=False),
             "constant": DschatBackend(constant_shapes=True),
-            "graph": DschatBackend(graph=True, capture=False)}
+            "graph": GraphBackend(capture=False)}
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_kept_graph_step_reads_weights_changed_in_place(fused_default):
     ids = torch.randint(3, 97, (8, 9), generator=torch.Generator().manual_seed(2))  # a full bucket of distinct
     mask = torch.ones_like(ids)  # prompts: no prefill decoder of their own, which would refresh the copy too
     ids[1, :4], mask[1, :4] = PAD, 0
-    backend = DschatBackend(graph=True, capture=False)
+    backend = GraphBackend(capture=False)
     greedy = GenerationConfig(max_new_tokens=10, do_sample=False)
     with torch.no_grad():
         assert torch.equal(sample(backend, model, ids, mask, greedy).sequences, hf_greedy(model, ids, mask, 10, 1))

@@ -1,13 +1,14 @@
-"""Memory per phase (dschat.training.memory) and out-of-memory handling (dschat.training.oom): the meter's
-arithmetic on scripted probes, the CPU probe on this host, forwards split in halves giving the unsplit results,
-and a training micro-batch out of memory stopping with exit 4 and a state that --resume finishes."""
+"""Memory per phase (dschat.training.memory) and out-of-memory handling (dschat.training.oom, oom_advice): the
+meter's arithmetic on scripted probes, the CPU probe on this host, forwards split in halves giving the unsplit
+results, and a training micro-batch out of memory stopping with exit 4, the planner's advice and a state that
+--resume finishes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dschat.training import memory, oom
+from dschat.training import memory, oom, oom_advice
 from dschat.training.memory import CudaProbe, MemoryMeter, MiB, RssProbe
 
 
@@ -353,11 +354,11 @@ def test_the_stop_line_names_the_plan_and_the_flags_it_says_would_fit(monkeypatc
     from dschat.planning import make_plan
     from dschat.planning.gpus import GiB
 
-    monkeypatch.setattr(oom, "device_memory", lambda: ("A100-80GB", 24 * GiB))
+    monkeypatch.setattr(oom_advice, "device_memory", lambda: ("A100-80GB", 24 * GiB))
     values = {"model": "llama-2-7b", "zero_stage": 0}
-    monkeypatch.setattr(oom, "CONTEXT", oom.RunContext(1, values, tmp_path, 1))
+    advisor = oom_advice.Advisor.for_stage("step1_sft", values, tmp_path, 1)
     memory.reset(Scripted())
-    line = oom.stop_line("train", 3, RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB"), "kept X")
+    line = advisor.stop_line("train", 3, RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB"), "kept X")
     plan = make_plan(1, values, gpu="A100-80GB", gpu_memory=24 * GiB)
     assert not plan.fits and plan.suggestion
     assert line == (f"out of memory in stage 1, phase train, micro-batch 3: the plan's peak "
@@ -365,9 +366,18 @@ def test_the_stop_line_names_the_plan_and_the_flags_it_says_would_fit(monkeypatc
                     f"{plan.suggestion}; kept X")
     # a plan that says "fits" under-counted this run: the flags that fit in memory shrunk by the overshoot
     small = {"model": "opt-125m", "zero_stage": 0}
-    monkeypatch.setattr(oom, "CONTEXT", oom.RunContext(1, small, tmp_path, 1))
+    advisor = oom_advice.Advisor.for_stage("step1_sft", small, tmp_path, 1)
     fits = make_plan(1, small, gpu="A100-80GB", gpu_memory=24 * GiB)
     assert fits.fits
-    line = oom.stop_line("train", 1, RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"), "kept X")
+    line = advisor.stop_line("train", 1, RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"), "kept X")
     scaled = make_plan(1, small, gpu="A100-80GB", gpu_memory=int(24 * GiB * fits.peak_bytes / (44 * GiB)))
     assert f"it says this fits: {scaled.suggestion}" in line and scaled.suggestion
+
+
+def test_the_device_a_driver_names_is_found_in_the_planners_table() -> None:
+    from dschat.planning.gpus import DEFAULT_GPU, gpu_of_device
+
+    assert gpu_of_device("NVIDIA H100 80GB HBM3") == "H100-80GB"
+    assert gpu_of_device("NVIDIA L40S") == "L40S" and gpu_of_device("NVIDIA L4") == "L4"
+    assert gpu_of_device("NVIDIA GeForce RTX 4090") == "RTX 4090"
+    assert gpu_of_device("Some Future GPU") == DEFAULT_GPU

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dschat.agents.agent import Agent
-from dschat.agents.calls import CallError, Turns, parse_call
+from dschat.agents.calls import CallError, TurnText, parse_call
 from dschat.agents.env import load_envs
 from dschat.agents.tools import ToolRunner, calculator, load_tools, tool_from_function
 from dschat.errors import UserError
@@ -103,9 +103,6 @@ def test_faulty_tools_become_error_messages_and_are_counted(tmp_path, capsys):
     assert runner.call("nope", {}).wait().error == "unknown_tool"
     assert runner.call("fine", {}).wait().error == "bad_arguments"
     assert runner.call("fine", {"text": "a", "extra": 1}).wait().error == "bad_arguments"
-    assert {k: runner.counts[k] for k in ("calls", "timeout", "raised", "junk", "truncated", "unknown_tool",
-                                          "bad_arguments")} == {"calls": 9, "timeout": 1, "raised": 1, "junk": 1,
-                                                                "truncated": 2, "unknown_tool": 1, "bad_arguments": 2}
 
 
 # ------------------------------------------------------------------------------------------------ calls and turns
@@ -124,7 +121,7 @@ def test_calls_parse_as_json_or_the_short_form():
 
 
 def test_plain_turns_and_a_template_s_own(tok):
-    plain = Turns(tok)
+    plain = TurnText(tok)
     assert not plain.template
     assert plain.tool_result("221") == " <tool_response>221</tool_response>"
     assert plain.observation("too low") == "\n\nHuman: too low\n\nAssistant:"
@@ -142,7 +139,7 @@ def test_plain_turns_and_a_template_s_own(tok):
                 out += f"<|im_start|>{role}\n{content}<|im_end|>\n"
             return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
-    t = Turns(Templated())
+    t = TurnText(Templated())
     assert t.template
     assert t.tool_result("221") == \
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n221\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -221,7 +218,7 @@ def test_the_driver_runs_calls_and_forces_results_row_by_row(tok):
                                  for row in out]),
                    torch.tensor([[r for _, r, _ in row] + [False] * (len(out[0]) - len(row)) for row in out]))
     assert info.calls == [1, 0, 1] and info.errors == [0, 0, 1] and info.turns == [2, 1, 2]
-    assert ep.agent.runner.counts["malformed"] == 1
+    assert [st.counts.kinds["tool_malformed"] for st in ep.state] == [0, 0, 1]  # counted by kind, in its row
 
 
 def test_a_waiting_row_does_not_hold_the_others_back(tok, tmp_path):
@@ -254,7 +251,7 @@ def test_an_environment_that_never_says_done_is_cut_at_max_turns(tok):
     text = tok.decode([t for t, r, _ in out[0] if r])
     assert text.count("guess") == 3 and "again 2" in text and "again 3" not in text
     assert ep.finished() == [False, False]  # cut, and broken: neither ended on its own
-    assert [st.env_reward for st in ep.state] == [1.5, 0.0] and ep.state[1].errors == 1
+    assert [st.env_reward for st in ep.state] == [1.5, 0.0] and ep.state[1].counts.errors == 1
     with pytest.raises(UserError, match="names no --env"):
         Episodes(agent, tok, [{"env": "Nope"}], [eos], tok.pad_token_id).start()
 
@@ -281,7 +278,7 @@ def scripted_policy(monkeypatch, script_of) -> None:
         at = self.__dict__.setdefault("_script_at", [0] * len(self.state))
         sampled = sampled.clone()
         for i, st in enumerate(self.state):
-            if st.mode == EP.SAMPLE:
+            if st.mode is EP.Mode.SAMPLE:
                 script = list(script_of(i)) + [self.tokenizer.eos_token_id]
                 sampled[i] = script[min(at[i], len(script) - 1)]
         toks, real, policy, done = advance(self, sampled)
@@ -309,8 +306,8 @@ def _scripted_rollout(tok, monkeypatch, agent: Agent, scripts: list[list[int]], 
     batch = {"prompt": enc.input_ids, "prompt_att_mask": enc.attention_mask,
              "answer": [None] * len(prompts), "extra": rows or [{} for _ in prompts]}
     scripted_policy(monkeypatch, lambda row: scripts[row])
-    hybrid = HybridEngine(model, tok.pad_token_id, tok.eos_token_id, backend="dschat")
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, agent=agent, logprobs=True)
+    hybrid = HybridEngine(model, tok.pad_token_id, tok.eos_token_id, backend="dschat", agent=agent)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, logprobs=True)
     rollout, _ = generate_rollout(hybrid, tok, batch, gen)
     return model, rollout
 
@@ -508,10 +505,10 @@ def test_sft_trains_the_assistant_turns_of_a_tool_trace_and_not_the_tool_turn(tm
     assert tok.decode(trained) == f" {call}  <answer>221</answer></s>"
     masked = tok.decode([t for t, y in zip(ids, labels, strict=True) if y == -100])
     assert "<tool_response>221</tool_response>" in masked
-    # the tool turn's ids are those an episode forces after the call closes (Episodes._ids of Turns.tool_result)
-    from dschat.agents.calls import Turns
+    # the tool turn's ids are those an episode forces after the call closes (Episodes._ids of TurnText.tool_result)
+    from dschat.agents.calls import TurnText
 
-    turn = tok(Turns(tok).tool_result("221"), add_special_tokens=False)["input_ids"]
+    turn = tok(TurnText(tok).tool_result("221"), add_special_tokens=False)["input_ids"]
     assert any(ids[i: i + len(turn)] == turn for i in range(len(ids)))
 
 
@@ -543,7 +540,7 @@ def test_a_template_renders_the_tool_call_the_tool_turn_and_the_tool_list(tmp_pa
     assert "[user] <tool_response>221</tool_response>" in tok.decode(ids)
     schema = load_tools(["calculator"])[0].schema()
     assert render_prompt(TRACE[:1], tok, [schema]).startswith("[system] tools: calculator")
-    turns = Turns(tok)
+    turns = TurnText(tok)
     assert turns.template
     # the turn's end first (the policy wrote the call, the template closes its turn), then the tool's turn
     assert turns.tool_result("221") == "</s>[user] <tool_response>221</tool_response></s>[assistant] "
@@ -594,9 +591,9 @@ def test_chat_shows_each_call_and_its_result_as_it_happens(tok, monkeypatch):
 
 
 def test_generate_writes_whole_episodes(tmp_path, tok, monkeypatch):
+    from dschat.apps.best_of_n import GenerateConfig, generate
     from dschat.config import build_config
     from dschat.demo import demo_files
-    from dschat.generation.best_of_n import GenerateConfig, generate
     from dschat.utils import read_jsonl_rows
 
     scripted_policy(monkeypatch, lambda row: _ids(tok, " <tool_call>calculator(6*7)</tool_call>")
@@ -617,7 +614,7 @@ def test_a_backend_that_samples_whole_answers_runs_episodes_turn_by_turn(tok):
     call is dropped), the tool's result appended, the next round sampled from the longer prefix; the masks and
     texts are those of the decode loop's episodes."""
     from dschat.agents.episode import Episodes
-    from dschat.generation.decode import Generated, GenerationConfig
+    from dschat.generation.decode import Generated, GenerationConfig, Prompts
     from dschat.generation.turns import generate_by_turns
 
     eos, pad = tok.eos_token_id, tok.pad_token_id
@@ -644,8 +641,8 @@ def test_a_backend_that_samples_whole_answers_runs_episodes_turn_by_turn(tok):
         return Generated(torch.cat([p, torch.tensor(rows, dtype=p.dtype)], dim=1))
 
     ep = Episodes(_agent(), tok, [{}, {}], [eos], pad)
-    out = generate_by_turns(sample, enc.input_ids, enc.attention_mask, GenerationConfig(max_new_tokens=120), ep,
-                            pad)
+    out = generate_by_turns(sample, Prompts(enc.input_ids, enc.attention_mask, [eos], pad),
+                            GenerationConfig(max_new_tokens=120), ep)
     P = enc.input_ids.shape[1]
     real, policy = out.real_mask, out.policy_mask
     row0 = out.sequences[0, P:][real[0]].tolist()
@@ -654,7 +651,7 @@ def test_a_backend_that_samples_whole_answers_runs_episodes_turn_by_turn(tok):
     assert tok.decode(out.sequences[1, P:][real[1]].tolist()) == tok.decode(_ids(tok, " hello") + [eos])
     assert len(seen) == 2 and len(seen[1]) == 1  # the second round samples only the row still going
     assert "<tool_response>42</tool_response>" in seen[1][0]
-    assert ep.finished() == [True, True] and ep.state[0].calls == 1
+    assert ep.finished() == [True, True] and ep.state[0].counts.calls == 1
 
 
 @pytest.mark.slow
@@ -691,3 +688,43 @@ def test_data_inspect_shows_a_tool_trace_s_masks(tmp_path):
     assert any(line.startswith("masked") and "<tool_response>221</tool_response>" in line for line in lines)
     assert any(line.startswith("trained") and "calculator" in line for line in lines)
     assert any(line.startswith("trained") and "<answer>221</answer>" in line for line in lines)
+
+
+def test_an_in_process_tool_runs_with_the_process_s_stdout_and_answers_with_its_return_value(capsys):
+    """A function given as an object runs in the run's process: ``sys.stdout`` (every thread's) is never swapped
+    for the call; its prints go to the run's output and its return value is its answer (None: empty)."""
+    import sys
+
+    seen = []
+
+    def loud(text: str) -> str:
+        """Echo.
+
+        Args:
+            text: what to echo.
+        """
+        seen.append(sys.stdout)
+        print("printed by loud")
+        return text.upper()
+
+    def quiet(text: str) -> None:
+        """Print only.
+
+        Args:
+            text: what to print.
+        """
+        print(text)
+
+    runner = ToolRunner([tool_from_function(loud), tool_from_function(quiet)], max_output=100)
+    stdout = sys.stdout
+    assert runner.call("loud", {"text": "hi"}).wait().text == "HI"
+    assert seen == [stdout] and sys.stdout is stdout
+    result = runner.call("quiet", {"text": "to the run"}).wait()
+    assert (result.text, result.error) == ("", None)
+    assert capsys.readouterr().out == "printed by loud\nto the run\n"
+
+
+def test_deeply_nested_arguments_are_a_malformed_call_not_a_crash():
+    deep = json.dumps({"name": "f", "arguments": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(CallError, match="the call's arguments are not JSON"):
+        parse_call(deep, {})

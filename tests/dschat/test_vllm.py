@@ -158,6 +158,17 @@ def test_episodes_on_vllm_equal_hf_generate_turn_by_turn(tmp_path):
     assert any(r and not p for rr, pp in zip(real, policy, strict=True) for r, p in zip(rr, pp, strict=True))
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_chat_with_tools_on_vllm(tmp_path):
+    """``dschat chat --tools calculator --generation-backend vllm``: the call and its result shown, the answer
+    after the result (the episode turn by turn over the engine's whole answers)."""
+    out = _check("chat", str(tmp_path))
+    assert out["backend"] == "vllm"
+    assert "[call] calculator(6*7)" in out["shown"] and "[result] 42" in out["shown"], out
+    assert out["answer"].endswith("<answer>42</answer>") and "42</tool_response>" in out["answer"], out
+
+
 REWARD = "def length(prompts, completions, **kw):\n    return [len(c) / 10 for c in completions]\n"
 
 

@@ -25,10 +25,11 @@ def _prompts(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sample(backend: Any, model: Any, ids: Any, mask: Any, gen: Any, tok: Any, engine: Any = None) -> Any:
-    """As the hybrid engine samples from vLLM (``generate_with``): the weights synced first, then the sample."""
-    from dschat.generation.backends import generate_with
+    """Through the entry, as the hybrid engine samples from vLLM: the weights synced first, then the sample."""
+    from dschat.generation.backends import generate
+    from dschat.generation.decode import Prompts
 
-    return generate_with(backend, model, ids, mask, gen, tok.eos_token_id, tok.pad_token_id, engine=engine)
+    return generate(backend, model, Prompts(ids, mask, tok.eos_token_id, tok.pad_token_id), gen, engine=engine)
 
 
 TEXTS = ["你好，今天天气怎么样？", "My parcel has not arrived and the invoice looks wrong; what now?", "Hi"]
@@ -131,28 +132,17 @@ def sync(folder: str) -> dict[str, Any]:
     return out
 
 
-class Again:
-    """An environment that answers every turn for two turns, then says done."""
-
-    def reset(self, row: dict[str, Any]) -> None:
-        self.turns = 0
-
-    def step(self, text: str) -> tuple[str | None, float, bool]:
-        self.turns += 1
-        return ("once more", 0.5, False) if self.turns < 2 else (None, 1.0, True)
-
-
 def episodes(folder: str) -> dict[str, Any]:
     """Greedy episodes with an environment, turn by turn on vLLM and on HF generate: the same tokens, masks and
     rewards. The turn's end is the token the untrained model writes most, so the episodes have several turns."""
     from dschat.agents.agent import Agent
     from dschat.agents.episode import Episodes
     from dschat.agents.tools import ToolRunner
-    from dschat.generation.backends import generate_with
-    from dschat.generation.decode import GenerationConfig, HFBackend
-    from dschat.generation.turns import generate_by_turns
+    from dschat.generation.backends import generate
+    from dschat.generation.decode import GenerationConfig, HFBackend, Prompts
     from dschat.generation.vllm_engine import VLLMBackend
     from dschat.models.loading import create_causal_lm, load_tokenizer
+    from tests.dschat.scripted import Again
     from tests.families import build_family
 
     path = str(build_family("llama_sp", folder, heads=2))
@@ -168,22 +158,47 @@ def episodes(folder: str) -> dict[str, Any]:
         agent = Agent([], ToolRunner([]), {"Again": Again}, "env", 4)
         eps = Episodes(agent, tok, [{} for _ in TEXTS], [end], tok.pad_token_id)
         try:
-            got = generate_by_turns(lambda p, m, c, b=backend: generate_with(b, model, p, m, c, [end],
-                                                                             tok.pad_token_id),
-                                    ids, mask, gen, eps, tok.pad_token_id)
+            got = generate(backend, model, Prompts(ids, mask, [end], tok.pad_token_id), gen, episodes=eps)
         finally:
             backend.close()
         out[name] = {"sequences": got.sequences.tolist(), "policy": got.policy_mask.tolist(),
-                     "real": got.real_mask.tolist(), "turns": [st.turns for st in eps.state],
+                     "real": got.real_mask.tolist(), "turns": [st.counts.turns for st in eps.state],
                      "rewards": [st.env_reward for st in eps.state], "finished": eps.finished()}
     return out
+
+
+def chat(folder: str) -> dict[str, Any]:
+    """``dschat chat --tools calculator`` on vLLM: the policy's tokens scripted where a row samples (a call, then
+    an answer), the episode run turn by turn over the engine's whole answers; what the chat showed and returned."""
+    from dschat.agents.agent import Agent
+    from dschat.agents.tools import ToolRunner, load_tools
+    from dschat.generation.chat import Chatbot
+    from dschat.models.loading import create_causal_lm, load_tokenizer
+    from tests.dschat.scripted import script_policy
+    from tests.families import build_family
+
+    path = str(build_family("llama_sp", folder, heads=2))
+    tok = load_tokenizer(path)
+    model = create_causal_lm(path).eval()
+    script = tok(" <tool_call>calculator(6*7)</tool_call> <answer>42</answer>", add_special_tokens=False)["input_ids"]
+    script_policy(script, tok.eos_token_id)
+    tools = load_tools(["calculator"])
+    bot = Chatbot(model, tok, torch.device("cpu"), max_new_tokens=64, greedy=True, temperature=0.0, top_p=1.0,
+                  top_k=0, repetition_penalty=1.0, log=lambda _: None, backend="vllm",
+                  agent=Agent(tools, ToolRunner(tools, 5.0, 200), {}, "env", 4))
+    shown: list[str] = []
+    try:
+        answer, _ = bot.reply([{"role": "user", "content": "6 times 7?"}], shown.append)
+    finally:
+        bot.backend.close()
+    return {"backend": bot.backend.name, "shown": "".join(shown), "answer": answer}
 
 
 def main(argv: list[str]) -> None:
     check, folder, *rest = argv
     Path(folder).mkdir(parents=True, exist_ok=True)
     result = {"greedy": lambda: greedy(folder, rest), "sync": lambda: sync(folder),
-              "episodes": lambda: episodes(folder)}[check]()
+              "episodes": lambda: episodes(folder), "chat": lambda: chat(folder)}[check]()
     print(json.dumps(result))
 
 

@@ -138,7 +138,7 @@ def test_every_spec_loads_its_run_time_class():
 
 def test_loss_type_defaults_per_algorithm_and_explicit_wins():
     cfg = lambda algo, **kw: build_config(RLHFConfig, {"algo": algo, "actor_model": "tiny", **kw})  # noqa: E731
-    made = lambda algo, **kw: ALGORITHMS[algo].load()(cfg(algo, **kw), None, None, None, None, None, None, {})  # noqa: E731
+    made = lambda algo, **kw: ALGORITHMS[algo].load()(cfg(algo, **kw), None, None, None, None, None, None, None)  # noqa: E731
     assert made("grpo").loss_type == "grpo" and made("rloo").loss_type == "grpo"
     assert made("remax").loss_type == "dr_grpo" and not made("remax").dynamic
     remax_dapo = made("remax", loss_type="dapo")  # dapo's aggregation and clip-higher, never its dynamic sampling

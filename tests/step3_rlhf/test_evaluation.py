@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dschat.evaluation import policy as evaluation
+from dschat.rlhf import evaluation
 
 
 class _Loader:

@@ -243,7 +243,7 @@ def test_dapo_adds_the_soft_overlong_penalty_unless_told_not_to():
 def test_each_reward_source_gets_the_paired_standard_error_of_its_gain():
     from types import SimpleNamespace
 
-    from dschat.evaluation.policy import eval_scalars, source_summary
+    from dschat.rlhf.evaluation import eval_scalars, source_summary
 
     scorer = SimpleNamespace(mixer=SimpleNamespace(names=["format", "accuracy"], weights=[1.0, 1.0]))
     before = {"reward/format": 0.5, "reward/accuracy": 0.0,

@@ -1,4 +1,4 @@
-"""``dschat eval --step 1|3`` (dschat/rlhf/policy_eval.py, dschat/sft_eval.py, dschat/eval_cmd.py): the metrics
+"""``dschat eval --step 1|3`` (dschat/apps/saved_policy.py, dschat/evaluation/lm.py, dschat/cli/eval.py): the metrics
 from hand-made per-prompt values, the refusal of flags that do nothing, and end to end on the tiny preset, where
 the command must reproduce a stage's own eval.json."""
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
+from dschat.apps.saved_policy import judge_win_metrics, ks_for, model_metrics, paired_metrics, pass_fail
 from dschat.demo import demo_files
 from dschat.errors import UserError
-from dschat.evaluation.saved_policy import judge_win_metrics, ks_for, model_metrics, paired_metrics, pass_fail
 from dschat.stats import paired_se
 from tests.helpers import read_json, run_cli
 from tests.helpers import run_stage as run

@@ -1,5 +1,9 @@
-"""The policy on held-out prompts: sampled answers scored by every reward source, before and after training (stage
-3, and through ``dschat.evaluation.saved_policy`` ``dschat eval --step 3``), and stage 3's ``eval.json``."""
+"""Stage 3's held-out evaluation: the policy's sampled answers to held-out prompts scored by every reward source,
+before and after training, and the before/after part of stage 3's ``eval.json``.
+
+It lives with what it evaluates: it samples with ``rollout`` and scores with ``scoring``, and the algorithms
+(``onpolicy``, ``dpo``) and ``step3_rlhf/main.py`` call it. ``dschat eval --step 3`` (``dschat.apps.saved_policy``)
+evaluates a saved policy with the same function, so its numbers are the stage's."""
 
 from __future__ import annotations
 

@@ -8,9 +8,10 @@ in dschat's own row formats (docs/data.md, Row formats), so the output trains a 
 - ``--keep pairs``: the best as ``chosen`` and the worst as ``rejected`` of a pairwise row (DPO, a reward model);
   a prompt whose samples all score the same gives no pair (counted as ``ties``).
 
-Sampling is the library's one generation path, the one stage 3 rolls out and evaluates with
-(``dschat.rlhf.rollout.generate_rollout`` through the hybrid engine), and scoring is stage 3's reward sources
-(``dschat.rlhf.scoring.build_scorer``: a reward model, rules, a judge, user functions).
+A whole job of one command, assembled from the library's packages: sampling is the library's one generation path,
+the one stage 3 rolls out and evaluates with (``dschat.rlhf.rollout.generate_rollout`` through the hybrid engine),
+scoring is stage 3's reward sources (``dschat.rlhf.scoring.build_scorer``: a reward model, rules, a judge, user
+functions), and the prompts are read as the stages read rows (``dschat.data``).
 
 Resumable. Rows go to ``OUTPUT.partial`` one batch of prompts at a time, and ``OUTPUT.progress.json`` records,
 after each batch is on disk, how many prompts and bytes are complete and under which settings; ``OUTPUT`` appears
@@ -23,7 +24,6 @@ an uninterrupted run writes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import json
@@ -140,7 +140,7 @@ def check_generate_config(cfg: GenerateConfig) -> None:
     if g.keep == "pairs" and g.num_samples < 2:
         raise UserError("--keep pairs needs --num-samples >= 2 (chosen and rejected are two samples of a prompt)")
     check_reward_models(names, cfg.rewards)
-    check_agent(cfg.agent, cfg.rl.generation_backend, names)
+    check_agent(cfg.agent, names)
     if Path(g.output).expanduser().is_dir():
         raise UserError(f"--output {g.output} is a folder; give a file name (e.g. {g.output.rstrip('/')}/gen.jsonl)")
 
@@ -444,9 +444,9 @@ def generate(cfg: GenerateConfig, log: Callable[[str], None] = _log) -> dict[str
         dtype = resolve_dtype(cfg.model.dtype)
         models = frozen_models(model_path, tok, dtype, reward_path, trust_remote_code=cfg.model.trust_remote_code)
         hybrid = make_hybrid_engine(models.actor, tok, requested=False, backend=rl.generation_backend, vllm=cfg.vllm,
-                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
+                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len, agent=agent)
         scorer = build_scorer(cfg, models) if names else None
-        gen = dataclasses.replace(GenerationConfig.from_flags(rl), agent=agent)
+        gen = GenerationConfig.from_flags(rl)
         collator = DataCollatorRLHF(tok.pad_token_id)
         log(f"model {model_path} | {len(rows)} prompts x {N} samples, batches of {B} | keep {g.keep} | "
             f"scores {scorer.describe() if scorer else 'none'} | writing {out.partial}")

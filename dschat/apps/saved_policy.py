@@ -1,10 +1,11 @@
-"""A saved policy on held-out prompts, alone or against a baseline (``dschat eval --step 3``).
+"""``dschat eval --step 3``: a saved policy on held-out prompts, alone or against a baseline.
 
-Built from stage 3's own parts, so its numbers are the stage's: the held-out prompts of ``load_phase`` (phase 3,
-the stage's split and ``--eval-fraction``/``--max-eval-rows``), the sampling and per-batch seeds of
-``evaluation.evaluate``, the reward sources of ``scoring.build_scorer`` (reward model, rules, user functions, a
-judge), and the paired statistics of ``dschat.stats``. The stage's "before" evaluation is this one with the
-baseline (its step-1 model) as the policy; its "after" is the trained actor, with KL to that same model.
+A whole job of one command, built from stage 3's own parts, so its numbers are the stage's: the held-out prompts
+of ``load_phase`` (phase 3, the stage's split and ``--eval-fraction``/``--max-eval-rows``), the frozen models of
+``rlhf.engines``, the sampling and per-batch seeds of stage 3's held-out evaluation (``rlhf.evaluation``), the
+reward sources of ``rlhf.scoring.build_scorer`` (reward model, rules, user functions, a judge), and the paired
+statistics of ``dschat.stats``. The stage's "before" evaluation is this one with the baseline (its step-1 model) as
+the policy; its "after" is the trained actor, with KL to that same model.
 
 Per model: the mean reward and its standard error, each source's mean, answer length and EOS rate, and, for
 pass/fail sources (rules scoring 0/1, or judge_match's -1/+1) with ``--num-samples n``, pass@k (Chen et al.
@@ -18,15 +19,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from dschat import engine as E
-from dschat.agents.agent import build_agent
+from dschat.agents.agent import Agent, build_agent
 from dschat.data import DataCollatorRLHF, load_phase
 from dschat.devices import resolve_dtype
 from dschat.errors import UserError
-from dschat.evaluation.policy import SAMPLE_SEED_STRIDE, evaluate
 from dschat.generation.decode import GenerationConfig
 from dschat.generation.hybrid_engine import make_hybrid_engine
 from dschat.models.loading import load_tokenizer, resolve_saved_model
@@ -36,6 +35,7 @@ from dschat.rewards.names import given_or_default, reward_labels
 from dschat.rewards.names import reward_sources as sources_of
 from dschat.rlhf.config import check_reward_data, check_reward_models
 from dschat.rlhf.engines import Models, frozen_models, reward_model_path
+from dschat.rlhf.evaluation import SAMPLE_SEED_STRIDE, evaluate
 from dschat.rlhf.scoring import build_scorer, same_tokenizer
 from dschat.stats import mean_se, paired_se, pass_at_k, win_rate
 from dschat.training.stage import eval_loader
@@ -216,15 +216,15 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
         if judge is None:
             judge = load_judge_reward(r.judge_model, r.judge_max_new_tokens, cfg.data.judge_system_prompt,
                                       cfg.model.dtype, trust, progress=progress)
-    gen = replace(GenerationConfig.from_flags(rl), agent=agent)
+    gen = GenerationConfig.from_flags(rl)
     loader = eval_loader(rows, cfg.optim.per_device_eval_batch_size, DataCollatorRLHF(tok.pad_token_id))
 
     bar = progress_bar(progress, len(rows) * num_samples * (2 if base is not None else 1), "sample")
     tick = bar.update if bar is not None else None
 
-    def sample(models: Models, gen: GenerationConfig) -> list[dict[str, Any]]:
+    def sample(models: Models, agent: Agent | None) -> list[dict[str, Any]]:
         hybrid = make_hybrid_engine(models.actor, tok, False, rl.generation_backend, cfg.vllm,
-                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len)
+                                    max_model_len=cfg.data.max_prompt_seq_len + rl.max_answer_seq_len, agent=agent)
         try:
             return [evaluate(models, hybrid, loader, gen, rl.temperature, cfg.run.seed + j * SAMPLE_SEED_STRIDE,
                              scorer, detail=True, tick=tick) for j in range(num_samples)]
@@ -232,9 +232,9 @@ def evaluate_policy(cfg: Any, baseline: str = "", num_samples: int = 1,
             hybrid.close()  # one vLLM engine at a time: the baseline's comes next
 
     try:
-        runs = {"policy": sample(as_policy, gen)}
+        runs = {"policy": sample(as_policy, agent)}
         if as_baseline is not None:  # without tools: what the tools add (--baseline-without-tools)
-            runs["baseline"] = sample(as_baseline, gen if baseline_tools else replace(gen, agent=None))
+            runs["baseline"] = sample(as_baseline, agent if baseline_tools else None)
     finally:
         if bar is not None:
             bar.close()
