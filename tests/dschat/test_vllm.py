@@ -150,23 +150,17 @@ def test_weight_sync_checked_and_faults_caught(tmp_path):
 @pytest.mark.slow
 def test_episodes_on_vllm_equal_hf_generate_turn_by_turn(tmp_path):
     """Environments (and tools) on vLLM: greedy episodes run turn by turn (generation.turns) give the same tokens,
-    masks and rewards as on HF generate, over several turns."""
+    masks and rewards as on HF generate, over several turns; and ``dschat chat --tools calculator
+    --generation-backend vllm`` shows the call and its result, and answers after the result."""
     out = _check("episodes", str(tmp_path))
+    chat = out.pop("chat")
+    assert chat["backend"] == "vllm"
+    assert "[call] calculator(6*7)" in chat["shown"] and "[result] 42" in chat["shown"], chat
+    assert chat["answer"].endswith("<answer>42</answer>") and "42</tool_response>" in chat["answer"], chat
     assert out["vllm"] == out["hf"], (out["vllm"], out["hf"])
     assert max(out["hf"]["turns"]) >= 2 and any(out["hf"]["finished"])
     real, policy = out["hf"]["real"], out["hf"]["policy"]
     assert any(r and not p for rr, pp in zip(real, policy, strict=True) for r, p in zip(rr, pp, strict=True))
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_chat_with_tools_on_vllm(tmp_path):
-    """``dschat chat --tools calculator --generation-backend vllm``: the call and its result shown, the answer
-    after the result (the episode turn by turn over the engine's whole answers)."""
-    out = _check("chat", str(tmp_path))
-    assert out["backend"] == "vllm"
-    assert "[call] calculator(6*7)" in out["shown"] and "[result] 42" in out["shown"], out
-    assert out["answer"].endswith("<answer>42</answer>") and "42</tool_response>" in out["answer"], out
 
 
 REWARD = "def length(prompts, completions, **kw):\n    return [len(c) / 10 for c in completions]\n"

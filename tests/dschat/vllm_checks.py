@@ -198,7 +198,7 @@ def main(argv: list[str]) -> None:
     check, folder, *rest = argv
     Path(folder).mkdir(parents=True, exist_ok=True)
     result = {"greedy": lambda: greedy(folder, rest), "sync": lambda: sync(folder),
-              "episodes": lambda: episodes(folder), "chat": lambda: chat(folder)}[check]()
+              "episodes": lambda: {**episodes(folder), "chat": chat(folder)}}[check]()
     print(json.dumps(result))
 
 
