@@ -197,6 +197,50 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+class Link:
+    """A process group of its own between separate jobs (the trainer's first rank and the ranks of a sampler started
+    beside it or on another node), found by ``host:port``: gloo on the CPU, NCCL on CUDA. Only the link's members
+    take part, and each job's own world group is untouched. One member hosts the rendezvous (a TCP store); every call
+    waits at most ``timeout_s`` for the others, then raises. Objects cross as JSON, never pickled: a peer is
+    another process. ``hosts``: this member listens at ``host:port`` (default: rank 0); the others connect there.
+    Like torch.distributed's own rendezvous, the link has no authentication: listen on a private network."""
+
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, cuda: bool = False,
+                 hosts: bool | None = None):
+        from datetime import timedelta
+
+        wait = timedelta(seconds=timeout_s)
+        self.rank, self.size = rank, size
+        self.store = dist.TCPStore(host, port, size, rank == 0 if hosts is None else hosts, timeout=wait,
+                                   wait_for_workers=True)
+        prefixed = dist.PrefixStore("dschat-link", self.store)
+        if cuda:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
+        else:
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(prefixed, rank, size, wait)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``t`` (on ``device``, the same shape and dtype on every member) from ``src`` to every member, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.group.broadcast([t], opts).wait()
+        return t
+
+    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
+        """A JSON value from ``src`` to every member: its length, then its UTF-8 bytes."""
+        import json
+
+        data = json.dumps(obj).encode() if self.rank == src else b""
+        n = self.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device), src)
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buf, src)
+        return obj if self.rank == src else json.loads(bytes(buf.cpu().tolist()).decode())
+
+
 @contextlib.contextmanager
 def main_process_first() -> Iterator[None]:
     """The first rank of each node runs the block first (e.g. to build a cache, node-local or shared); the

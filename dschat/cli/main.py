@@ -30,6 +30,7 @@ COMMANDS = {
     "pipeline": "dschat.cli.pipeline:pipeline",
     "plan": "dschat.cli.plan:plan_command",
     "report": "dschat.cli.report:report_command",
+    "sampler": "dschat.cli.sampler:sampler_command",
     "serve": "dschat.cli.serve:serve_command",
 }
 

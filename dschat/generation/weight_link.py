@@ -1,0 +1,157 @@
+"""A policy's weights sent to a sampler in another job over a link (``dschat.engine.Link``: gloo on the CPU, NCCL
+on GPUs), never through a file, and checked before the sampler uses them.
+
+The trainer walks its weights under their Hugging Face names (``vllm_engine.policy_weights``: ZeRO-3 parameters
+gathered one at a time, which every trainer rank must walk, LoRA merged), and its first rank sends them in
+buckets: tensors of one dtype laid end to end up to ``BUCKET_BYTES``, each preceded by a JSON header (names,
+shapes, dtype, element count, a float64 checksum: count, sum, sum of squares). The sampler receives each bucket,
+checks its checksum, and copies its tensors into its own module. The last header carries the update's version and
+the probe: the trainer's log-probs of a fixed token sequence, which the sampler computes again with what it
+received. Either check failing stops both sides with one line (``WeightLinkError``): the sampler tells the trainer
+its verdict, so a bad update never samples. What an update measured is returned as ``sync/seconds`` and
+``sync/bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from dschat.errors import UserError
+from dschat.generation.vllm_engine import policy_weights
+
+BUCKET_BYTES = 32 << 20
+PROBE_LENGTH = 24
+PROBE_SEED = 1234
+PROBE_TOLERANCE = 1e-4  # nats, float32 on both sides; a half-precision sampler needs a looser one
+
+# Tests: called with each bucket's flat buffer on the sender after its checksum is taken, to damage it on the way.
+CORRUPT: Callable[[torch.Tensor], None] | None = None
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                               torch.uint8, torch.bool)}
+
+
+class WeightLinkError(UserError):
+    """A weight update failed its checks: the sampler would not sample from the policy being trained."""
+
+
+def checksum(t: torch.Tensor) -> list[float]:
+    """Count, sum and sum of squares of ``t`` in float64: equal on both sides only when every element arrived."""
+    x = t.detach().double()
+    return [float(x.numel()), float(x.sum()), float((x * x).sum())]
+
+
+def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int,
+             device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors of one dtype, up to ``limit`` bytes together (a larger tensor is a bucket alone), each
+    copied to ``device`` as it comes: a ZeRO-3 parameter is whole only while its gather lasts."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in items:
+        t = t.detach().to(device, copy=True)
+        if bucket and (t.dtype != bucket[0][1].dtype or size + t.numel() * t.element_size() > limit):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+def probe_ids(vocab: int) -> torch.Tensor:
+    """The fixed probe sequence ``(1, PROBE_LENGTH)`` both sides score."""
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(3, max(vocab, 4), (1, PROBE_LENGTH), generator=g)
+
+
+@torch.no_grad()
+def probe_logprobs(module: torch.nn.Module) -> list[float]:
+    """``module``'s log-prob of each next token of the probe sequence (eval mode, float32 arithmetic)."""
+    device = next(module.parameters()).device
+    ids = probe_ids(int(module.config.vocab_size)).to(device)
+    was_training = module.training
+    module.eval()
+    try:
+        logits = module(input_ids=ids).logits[0, :-1].float()
+    finally:
+        if was_training:
+            module.train()
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().tolist()
+
+
+def send_weights(link: Any, module: torch.nn.Module, version: int, *, sending: bool = True,
+                 bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
+    """Send ``module``'s weights as update ``version`` (``link`` rank 0). Every trainer rank calls this, since a
+    ZeRO-3 gather is collective; only the one with ``sending`` (the trainer's first rank, the link's member) sends.
+    Raises ``WeightLinkError`` when the sampler refused the update."""
+    t0 = time.perf_counter()
+    sent = 0
+    weights = policy_weights(module)
+    if not sending:  # the walk alone: its gathers are collective
+        for _ in weights:
+            pass
+        return {}
+    for bucket in _buckets(weights, bucket_bytes, link.device):
+        flat = torch.cat([t.reshape(-1) for _, t in bucket])
+        header = {"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
+                  "dtype": str(flat.dtype), "numel": flat.numel(), "checksum": checksum(flat)}
+        if CORRUPT is not None:
+            CORRUPT(flat)
+        link.broadcast_json({"bucket": header})
+        link.broadcast(flat)
+        sent += flat.numel() * flat.element_size()
+    link.broadcast_json({"done": {"version": version, "probe": probe_logprobs(module)}})
+    verdict = link.broadcast_json(None, src=1)
+    if not verdict["ok"]:
+        raise WeightLinkError(f"weight update {version}: the sampler refused it: {verdict['message']}")
+    return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(sent)}
+
+
+def receive_weights(link: Any, module: torch.nn.Module, tolerance: float = PROBE_TOLERANCE) -> int:
+    """Receive one update into ``module`` (a sampler's copy, plain HF names) on the link's rank 1; check each
+    bucket's checksum and the probe, tell the trainer, and return the update's version. Raises
+    ``WeightLinkError`` (after telling the trainer) when a check fails; ``module`` then holds a partial update and
+    must not sample."""
+    state = dict(module.state_dict(keep_vars=True))
+    problem = ""
+    while True:
+        msg = link.broadcast_json(None)
+        if "done" in msg:
+            break
+        head = msg["bucket"]
+        flat = torch.empty(int(head["numel"]), dtype=_DTYPES[head["dtype"]], device=link.device)
+        link.broadcast(flat)
+        if problem:
+            continue  # already failed: drain the rest so the trainer is not left waiting
+        got = checksum(flat)
+        if got != head["checksum"]:
+            problem = (f"the bucket holding {head['names'][0]} arrived damaged (checksum {got} where the trainer "
+                       f"sent {head['checksum']})")
+            continue
+        at = 0
+        for name, shape in zip(head["names"], head["shapes"], strict=True):
+            n = 1
+            for d in shape:
+                n *= d
+            target = state.get(name)
+            if target is None or list(target.shape) != shape:
+                problem = f"{name}: the sampler's model has no weight of shape {shape} under that name"
+                break
+            with torch.no_grad():
+                target.copy_(flat[at:at + n].view(shape))
+            at += n
+    done = msg["done"]
+    if not problem:
+        ours = probe_logprobs(module)
+        diff = max((abs(a - b) for a, b in zip(ours, done["probe"], strict=True)), default=0.0)
+        if diff > tolerance:
+            problem = (f"its log-probs differ from the trainer's by {diff:.4g} nats on the probe (tolerance "
+                       f"{tolerance:g})")
+    verdict = link.broadcast_json({"ok": not problem, "message": problem}, src=1)  # the sampler's first rank's
+    if problem or not verdict["ok"]:
+        raise WeightLinkError(f"weight update {done['version']}: {problem or verdict['message']}; the sampler stops")
+    return int(done["version"])
