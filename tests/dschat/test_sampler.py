@@ -109,10 +109,10 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
 def test_a_sampler_told_to_stop_exits_0(tiny):
     path, _ = tiny
     port = _free_port()
-    proc = _start(path, port, timeout=20)
+    proc = _start(path, port)
     try:
-        SamplerClient(E.Link("127.0.0.1", port, 0, 2, 20, hosts=False)).stop()
-        assert proc.wait(30) == 0
+        SamplerClient(E.Link("127.0.0.1", port, 0, 2, TIMEOUT, hosts=False)).stop()
+        assert proc.wait(TIMEOUT) == 0
     finally:
         proc.kill()
 
@@ -120,14 +120,14 @@ def test_a_sampler_told_to_stop_exits_0(tiny):
 def test_a_sampler_whose_trainer_is_gone_exits_by_itself(tiny, tmp_path):
     path, _ = tiny
     port = _free_port()
-    proc = _start(path, port, timeout=20)
+    proc = _start(path, port)  # a peer that vanishes is seen at once, not at the timeout
     trainer = subprocess.run([sys.executable, "-c", (
         "import os\nfrom dschat import engine as E\nfrom dschat.generation.sampler import SamplerClient\n"
-        f"c = SamplerClient(E.Link('127.0.0.1', {port}, 0, 2, 20, hosts=False))\nos._exit(9)\n")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        f"c = SamplerClient(E.Link('127.0.0.1', {port}, 0, 2, {TIMEOUT}, hosts=False))\nos._exit(9)\n")],
+        cwd=ROOT, capture_output=True, text=True, timeout=3 * TIMEOUT)
     assert trainer.returncode == 9, trainer.stderr[-2000:]
     try:
-        code = proc.wait(20 + 30)
+        code = proc.wait(TIMEOUT)
     finally:
         proc.kill()
     err = proc.stderr.read() if proc.stderr else ""
