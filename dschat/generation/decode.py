@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -251,8 +251,6 @@ class Step:
     then ``__call__`` per token: the fed tokens ``(B,)``, each row's position ``(B, 1)``, the cache column ``(1,)``
     and which rows' tokens are real (None: all) -> the next logits ``(B, V)`` float32."""
 
-    per_row: ClassVar[bool] = False  # takes a real-token mask per row (rows that advance on their own)
-
     def prefill(self, prompt: torch.Tensor, positions: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -264,8 +262,6 @@ class Step:
 class GrowingStep(Step):
     """Eager, the attention as wide as the tokens so far: the lean decoder's or the model's own forward. The one
     step that takes a real-token mask per row (a masked column is fed with its key hidden)."""
-
-    per_row = True
 
     def __init__(self, dec: LeanLlama | HFForward, module: torch.nn.Module):
         self.dec, self.module = dec, module
@@ -283,8 +279,6 @@ class GrowingStep(Step):
 class ConstantStep(GrowingStep):
     """Eager lean step over the whole cache width, unfilled columns masked: the same shapes at every token."""
 
-    per_row = False
-
     def __call__(self, tok: torch.Tensor, position: torch.Tensor, column: torch.Tensor,
                  real: torch.Tensor | None) -> torch.Tensor:
         dec = self.dec
@@ -295,8 +289,6 @@ class ConstantStep(GrowingStep):
 
 class CompiledStep(GrowingStep):
     """The constant-shape lean step through ``torch.compile``; its cache mask is passed along."""
-
-    per_row = False
 
     def __init__(self, dec: LeanLlama, module: torch.nn.Module):
         super().__init__(dec, module)

@@ -109,7 +109,7 @@ class SamplerServer:
     """The sampler's side (its link's rank 1): ``serve`` answers the trainer until it says stop or is gone."""
 
     def __init__(self, link: Any, module: torch.nn.Module, backend: Backend, version: int = 0):
-        self.link, self.module, self.backend, self.version = link, module, backend, version
+        self.link, self.module, self.backend, self.version = link, module.eval(), backend, version
 
     def serve(self) -> None:
         """Answer weight updates and sample requests in the order they come. Returns on ``stop``; raises
@@ -133,16 +133,9 @@ class SamplerServer:
         mask = self.link.broadcast(torch.empty(B, P, dtype=torch.long, device=self.link.device))
         device = next(self.module.parameters()).device
         settings = GenerationConfig(**msg["settings"])
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with forked_rng(int(msg["seed"])):  # a backend with its own copy resyncs when the version moves
-                out = generate(self.backend, self.module, Prompts(ids.to(device), mask.to(device), msg["eos"],
-                                                                  msg["pad"]), settings,
-                               engine=SimpleNamespace(global_steps=self.version))
-        finally:
-            if was_training:
-                self.module.train()
+        with forked_rng(int(msg["seed"])):  # a backend with its own copy resyncs when the version moves
+            out = generate(self.backend, self.module, Prompts(ids.to(device), mask.to(device), msg["eos"], msg["pad"]),
+                           settings, engine=SimpleNamespace(global_steps=self.version))
         logps = out.logprobs if out.logprobs is not None else out.engine_logprobs
         seqs = out.sequences.to(self.link.device)
         answer = torch.zeros(B, seqs.shape[1] - P, dtype=torch.float32, device=self.link.device)

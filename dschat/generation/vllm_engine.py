@@ -114,7 +114,9 @@ def require_vllm() -> None:
                         "vllm==0.32.0); or use --generation-backend dschat")
 
 
-def _checksum(t: torch.Tensor) -> torch.Tensor:
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Count, sum and sum of squares of ``t`` in float64 (3,): equal on both sides of a transfer only when every
+    element arrived; the checksums of several tensors add up."""
     x = t.detach().double()
     return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum().cpu(), (x * x).sum().cpu()])
 
@@ -159,7 +161,7 @@ def _receive(worker: Any, items: Iterator[tuple[str, torch.Tensor]]) -> list[flo
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal total
         for name, t in items:
-            total += _checksum(t)
+            total += checksum(t)
             yield name, t
 
     worker.model_runner.reload_weights(weights_iterator=counted())
@@ -336,7 +338,7 @@ class VLLMBackend:
                     nonlocal sent
                     for name, t in policy_weights(module):
                         t = t.to(self.dtype).clone() if t.is_floating_point() else t.clone()
-                        sent += _checksum(t)
+                        sent += checksum(t)
                         yield name, t
 
                 if self._skip_push and self.synced is not None:  # (a test switch: a sync that pushes nothing)

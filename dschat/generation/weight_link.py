@@ -14,6 +14,7 @@ its verdict, so a bad update never samples. What an update measured is returned 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from dschat.errors import UserError
-from dschat.generation.vllm_engine import policy_weights
+from dschat.generation.vllm_engine import checksum, policy_weights
 
 BUCKET_BYTES = 32 << 20
 PROBE_LENGTH = 24
@@ -37,12 +38,6 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, tor
 
 class WeightLinkError(UserError):
     """A weight update failed its checks: the sampler would not sample from the policy being trained."""
-
-
-def checksum(t: torch.Tensor) -> list[float]:
-    """Count, sum and sum of squares of ``t`` in float64: equal on both sides only when every element arrived."""
-    x = t.detach().double()
-    return [float(x.numel()), float(x.sum()), float((x * x).sum())]
 
 
 def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int,
@@ -98,7 +93,7 @@ def send_weights(link: Any, module: torch.nn.Module, version: int, *, sending: b
     for bucket in _buckets(weights, bucket_bytes, link.device):
         flat = torch.cat([t.reshape(-1) for _, t in bucket])
         header = {"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
-                  "dtype": str(flat.dtype), "numel": flat.numel(), "checksum": checksum(flat)}
+                  "dtype": str(flat.dtype), "numel": flat.numel(), "checksum": checksum(flat).tolist()}
         if CORRUPT is not None:
             CORRUPT(flat)
         link.broadcast_json({"bucket": header})
@@ -127,16 +122,14 @@ def receive_weights(link: Any, module: torch.nn.Module, tolerance: float = PROBE
         link.broadcast(flat)
         if problem:
             continue  # already failed: drain the rest so the trainer is not left waiting
-        got = checksum(flat)
+        got = checksum(flat).tolist()
         if got != head["checksum"]:
             problem = (f"the bucket holding {head['names'][0]} arrived damaged (checksum {got} where the trainer "
                        f"sent {head['checksum']})")
             continue
         at = 0
         for name, shape in zip(head["names"], head["shapes"], strict=True):
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
             target = state.get(name)
             if target is None or list(target.shape) != shape:
                 problem = f"{name}: the sampler's model has no weight of shape {shape} under that name"

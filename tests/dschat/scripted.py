@@ -18,10 +18,11 @@ class Again:
         return ("once more", 0.5, False) if self.turns < 2 else (None, 1.0, True)
 
 
-def script_policy(script: list[int], eos_token_id: int) -> Callable[[], None]:
-    """Make the policy write ``script`` then EOS in every row, on any backend: where a row samples, the driver's
-    token (``Episodes.step_row``, which both the decode loop and the turn-by-turn driver call) is the script's next
-    one. Returns what undoes it."""
+def script_policy(script_of: Callable[[int], list[int]]) -> Callable[[], None]:
+    """Make the policy write ``script_of(row)`` (token ids; the row's index in its batch) then EOS, on any backend:
+    where a row samples, the driver's token (``Episodes.step_row``, which both the decode loop and the turn-by-turn
+    driver call) is the script's next one. The log-probs stay the model's own of those tokens. Returns what undoes
+    it."""
     from dschat.agents import episode as EP
 
     step_row = EP.Episodes.step_row
@@ -29,7 +30,7 @@ def script_policy(script: list[int], eos_token_id: int) -> Callable[[], None]:
     def scripted(self: Any, i: int, tok_id: int, block: bool = False) -> tuple[int, bool, bool, bool]:
         at = self.__dict__.setdefault("_script_at", [0] * len(self.state))
         if self.state[i].mode is EP.Mode.SAMPLE:
-            words = script + [eos_token_id]
+            words = list(script_of(i)) + [self.tokenizer.eos_token_id]
             tok_id = words[min(at[i], len(words) - 1)]
         out = step_row(self, i, tok_id, block)
         at[i] += bool(out[2])

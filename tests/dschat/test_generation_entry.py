@@ -164,7 +164,7 @@ def scripted(monkeypatch: Any, tok: Any, script: list[int]) -> None:
     from dschat.agents import episode as EP
 
     monkeypatch.setattr(EP.Episodes, "step_row", EP.Episodes.step_row)  # restored after the test
-    script_policy(script, tok.eos_token_id)
+    script_policy(lambda row: script)
 
 
 def _bot(model: Any, tok: Any, backend: str) -> Any:

@@ -267,26 +267,12 @@ def test_environments_load_by_name(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the decode loop
 def scripted_policy(monkeypatch, script_of) -> None:
-    """Make the policy write ``script_of(row)`` (token ids; the row's index in its batch), then EOS: where a row
-    samples, the loop's token is replaced by the script's next one before the episode driver sees it. The log-probs
-    stay the model's own of those tokens."""
+    """``script_policy`` for one test: the policy writes ``script_of(row)``, then EOS."""
     from dschat.agents import episode as EP
+    from tests.dschat.scripted import script_policy
 
-    advance = EP.Episodes.advance
-
-    def scripted(self, sampled):
-        at = self.__dict__.setdefault("_script_at", [0] * len(self.state))
-        sampled = sampled.clone()
-        for i, st in enumerate(self.state):
-            if st.mode is EP.Mode.SAMPLE:
-                script = list(script_of(i)) + [self.tokenizer.eos_token_id]
-                sampled[i] = script[min(at[i], len(script) - 1)]
-        toks, real, policy, done = advance(self, sampled)
-        for i in range(len(self.state)):
-            at[i] += bool(policy[i])
-        return toks, real, policy, done
-
-    monkeypatch.setattr(EP.Episodes, "advance", scripted)
+    monkeypatch.setattr(EP.Episodes, "step_row", EP.Episodes.step_row)  # restored after the test
+    script_policy(script_of)
 
 
 def _scripted_rollout(tok, monkeypatch, agent: Agent, scripts: list[list[int]], prompts: list[str],

@@ -181,7 +181,7 @@ def chat(folder: str) -> dict[str, Any]:
     tok = load_tokenizer(path)
     model = create_causal_lm(path).eval()
     script = tok(" <tool_call>calculator(6*7)</tool_call> <answer>42</answer>", add_special_tokens=False)["input_ids"]
-    script_policy(script, tok.eos_token_id)
+    script_policy(lambda row: script)
     tools = load_tools(["calculator"])
     bot = Chatbot(model, tok, torch.device("cpu"), max_new_tokens=64, greedy=True, temperature=0.0, top_p=1.0,
                   top_k=0, repetition_penalty=1.0, log=lambda _: None, backend="vllm",
