@@ -203,6 +203,7 @@ class Link:
     take part, and each job's own world group is untouched. One member hosts the rendezvous (a TCP store); every call
     waits at most ``timeout_s`` for the others, then raises. Objects cross as JSON, never pickled: a peer is
     another process. ``hosts``: this member listens at ``host:port`` (default: rank 0); the others connect there.
+    ``cuda``: this member's tensors are on its GPU; the link is NCCL when every member's are, else gloo.
     Like torch.distributed's own rendezvous, the link has no authentication: listen on a private network."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, cuda: bool = False,
@@ -210,10 +211,13 @@ class Link:
         from datetime import timedelta
 
         wait = timedelta(seconds=timeout_s)
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.store = dist.TCPStore(host, port, size, rank == 0 if hosts is None else hosts, timeout=wait,
                                    wait_for_workers=True)
         prefixed = dist.PrefixStore("dschat-link", self.store)
+        # NCCL only where every member is on a GPU (a CPU sampler beside a GPU trainer links over gloo)
+        prefixed.set(f"cuda/{rank}", "1" if cuda else "0")
+        cuda = all(prefixed.get(f"cuda/{r}") == b"1" for r in range(size))
         if cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, size)

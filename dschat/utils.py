@@ -1,4 +1,4 @@
-"""Small shared helpers: cache location, atomic file and folder writes, seeding, hashing."""
+"""Small shared helpers: cache location, atomic file and folder writes, seeding, hashing, addresses."""
 
 from __future__ import annotations
 
@@ -167,3 +167,13 @@ def unwrap(model: Any) -> Any:
 
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` as a pair, or a one-line error."""
+    from dschat.errors import UserError
+
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{text!r} is not HOST:PORT")
+    return host, int(port)

@@ -39,8 +39,10 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     from dschat.errors import UserError
     from dschat.generation.decode import GenerationConfig
     from dschat.generation.hybrid_engine import make_hybrid_engine
+    from dschat.generation.sampler import SamplerLost
     from dschat.models.loading import load_tokenizer, resolve_model
     from dschat.rewards.remote import RewardServerDown, is_remote
+    from dschat.rlhf.async_rollouts import make_rollouts
     from dschat.rlhf.config import check_config, check_reward_data
     from dschat.rlhf.ema import ActorEMA
     from dschat.rlhf.engines import build_models
@@ -90,13 +92,15 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
     if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
-    algo = Algo(cfg, models, hybrid, scorer, gen, shuffle, ema, loop)
-    stream = EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches")
+    # the answers: sampled here between updates, or by a sampler process while the trainer trains
+    rollouts = make_rollouts(cfg, hybrid, loop.step, state, tensors, stage.log)
+    algo = Algo(cfg, models, rollouts.engine, scorer, gen, shuffle, ema, loop)
+    stream = rollouts.watch(EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches"))
     tools = f" | {agent.describe()}" if agent is not None else ""
     stage.log(f"actor {cfg.actor.model} | {algo.describe()}{tools} | prompts {len(data.train)} "
               f"(eval {len(data.eval)}) | "
               f"{total_updates} updates, {optimizer_steps} optimizer steps | ZeRO actor "
-              f"{cfg.actor_engine.zero_stage} | world {E.world_size()} | sampling on {hybrid.backend.name}")
+              f"{cfg.actor_engine.zero_stage} | world {E.world_size()} | {rollouts.describe()}")
 
     # 3. evaluate before training (kept in the state, so a resumed run compares with the same numbers)
     def evaluation() -> dict[str, Any]:
@@ -125,30 +129,36 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     dropped_total = state.get("dropped_short_answers", 0)
     tracker.advance(loop.step)
 
-    def fields() -> dict[str, Any]:  # what a state holds besides the engines
+    def fields(wait: bool = True) -> dict[str, Any]:  # what a state holds besides the engines
         return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
-                "before": before}
+                "before": before, **rollouts.state(wait)[0]}
 
-    def tensors_now() -> dict[str, torch.Tensor]:
-        return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {})}
+    def tensors_now(wait: bool = True) -> dict[str, torch.Tensor]:
+        return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {}),
+                **rollouts.state(wait)[1]}
 
     # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved; the health
     # monitor watches each step's metrics and each evaluation and acts after the step (--on-alarm)
     try:
         remote = any(is_remote(name) for name in cfg.reward_func_names())
-        for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote):
+        for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote or rollouts.can_fail,
+                                 boundary=(lambda: fields(wait=False), lambda: tensors_now(wait=False))):
             try:
                 if agent is not None:
                     agent.take_metrics()  # the step's episodes alone, not an evaluation's before it
-                metrics, dropped = algo.step(stream)
-            except RewardServerDown as e:  # scoring comes before the update: keep the last completed step
+                with rollouts.step():
+                    metrics, dropped = algo.step(stream)
+            except (RewardServerDown, SamplerLost) as e:  # before the update: keep the last completed step
                 saved = loop.save_last_step()
-                where = f"the state of step {loop.step} is {saved}; continue with --resume once the server " \
+                server = "server" if isinstance(e, RewardServerDown) else "sampler"
+                where = f"the state of step {loop.step} is {saved}; continue with --resume once the {server} " \
                         "answers" if saved else "no state could be saved"
-                raise RewardServerDown(f"{e}; {where}") from None
+                raise type(e)(f"{e}; {where}") from None
+            rollouts.updated(step)  # the new weights go to a sampler while the step's figures are made
             dropped_total += dropped
             metrics.update({"train/dropped_short_answers": dropped_total, **(scorer.stats() if scorer else {}),
-                            **hybrid.sync_metrics(), **(agent.take_metrics() if agent is not None else {})})
+                            **hybrid.sync_metrics(), **(agent.take_metrics() if agent is not None else {}),
+                            **rollouts.take_metrics()})
             for name, engine in models.trained.items():
                 if norms := E.take_grad_norms(engine):
                     metrics[f"train/{name}_grad_norm"] = max(norms)
@@ -172,6 +182,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             health.observe(step, eval_scalars(after))
             health.respond(loop, final=True)
     except BaseException:
+        rollouts.close()
         hybrid.close()  # a rollback runs the stage again in this process: no engine may stay behind
         raise
     finally:
@@ -192,6 +203,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
             stage.log(f"reward {before['reward']:.3f} ± {before['reward_se']:.3f} -> {after['reward']:.3f} ± "
                       f"{after['reward_se']:.3f} (gain {metrics['reward_gain']:.3f} ± {metrics['reward_gain_se']:.3f})"
                       f"{kl} | saved {stage.output_dir}")
+    rollouts.close()
     hybrid.close()  # a vLLM engine goes before the process group it runs in
     return metrics
 

@@ -19,6 +19,7 @@ import click
 from dschat.cli.options import DeclaredFlagsCommand, declared_config, given_flags
 from dschat.config import ModelArgs, backend_help, piece
 from dschat.errors import UserError
+from dschat.utils import address
 
 
 @functools.cache
@@ -33,14 +34,6 @@ def sampler_flags() -> type:
     ])
 
 
-def address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` as a pair, or a one-line error."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
-
-
 @click.command("sampler", cls=DeclaredFlagsCommand, flags=sampler_flags, context_settings={"max_content_width": 110})
 @click.option("--model", required=True, help="The policy to start from: a folder, an HF id in the cache, an alias or "
                                              "the preset 'tiny'; the trainer's updates replace its weights.")
@@ -49,16 +42,35 @@ def address(text: str) -> tuple[str, int]:
               help="auto = CUDA when available, else CPU; or e.g. cpu, cuda:1.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds to wait for the trainer (to connect, and for each message): past it, exit with one line.")
-def sampler_command(model: str, listen: str, device: str, timeout: float, **declared: Any) -> None:
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for sampling (default: torch's, one per core this process may use).")
+@click.option("--cpus", default="", help="Run on these CPU cores alone, e.g. 1 or 2-3,6 (Linux).")
+def sampler_command(model: str, listen: str, device: str, timeout: float, threads: int | None, cpus: str,
+                    **declared: Any) -> None:
     """Hold a policy on its own devices and answer a trainer's batches of prompts."""
     cfg = declared_config(sampler_flags(), declared, given_flags())
     host, port = address(listen)
+    if cpus:
+        import os
+
+        from dschat.rlhf.config import sampler_devices
+
+        cores = sampler_devices(f"cpu:{cpus}")[1]
+        try:
+            os.sched_setaffinity(0, cores)
+        except (OSError, AttributeError) as e:
+            raise UserError(f"--cpus {cpus}: {e}") from None
+        threads = threads or len(cores)
+    import torch
+
     from dschat import engine as E  # the training stack: after the flags are checked
     from dschat.devices import pick_device, resolve_dtype
     from dschat.generation.backends import make_backend
     from dschat.generation.sampler import SAMPLER_RANK, SamplerServer
     from dschat.models.loading import create_causal_lm, resolve_saved_model
 
+    if threads:
+        torch.set_num_threads(threads)
     dev = pick_device(device)
     path = resolve_saved_model(model)
     module = create_causal_lm(path, dtype=resolve_dtype(cfg.model.dtype, dev),

@@ -52,6 +52,8 @@ class HybridEngine:
     and environments (``dschat.agents.agent.Agent``; None without): with one, ``dschat.rlhf.rollout`` samples every
     batch as episodes."""
 
+    behaviour = "vllm"  # what samples when its log-probs differ from the trainer's (a serving engine)
+
     def __init__(self, actor: Any, pad_token_id: int, eos_token_id: int, use_deepspeed: bool = False,
                  backend: str | Backend = "auto", vllm: Any = None, max_model_len: int | None = None,
                  agent: Agent | None = None):

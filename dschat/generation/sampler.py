@@ -7,102 +7,176 @@ protocol):
 
 ```
 trainer (SamplerClient, link rank 0)             sampler (SamplerServer, link rank 1)
-  {"op": "weights"}  + the weight update   ->      receive_weights: checksums, probe; the verdict back
+  {"op": "weights"}  + the weight update   ->      receive_weights: checksums, probe
+                                           <-      the verdict
   {"op": "sample", settings, seed, shape}
-     + prompt ids, prompt mask              ->      generate(...) through the one entry, from its copy
-                                           <-      {"version", "shape"} + sequences + log-probs of its samples
+     + prompt ids, prompt mask (+ an RNG state)
+                                           ->      generate(...) through the one entry, from its copy
+                                           <-      {"version", "shape", ...} + sequences + the log-probs of its
+                                                   samples (+ the RNG state it ended with)
+  {"op": "ping"}                           ->      (nothing: sent while the trainer is idle a third of the
+                                                   timeout, so a long evaluation is not taken for a death)
   {"op": "stop"}                           ->      returns
 ```
 
-A request is sent, then its answers received when the trainer wants them (``request``, then ``result``): what the
-trainer does in between overlaps with the sampling. One request is in flight at a time: a message on the link
-completes only when the other side takes it, and a sampler busy with one request takes the next only after its
-answers are read. The answers carry the version of the weights that sampled
-them, and the sampler's own log-probs of its tokens (the behaviour policy's). A peer that dies or stops answering
-fails the other side's next message within the link's timeout, in one line (``SamplerLost``).
+The trainer's side is a courier: a thread of its own that runs these exchanges one after the other, in the order
+they were submitted, while the trainer trains; each submission returns a future. One exchange is on the link at a
+time (a message completes only when the other side takes it), so a weight update submitted while the sampler
+samples travels once it has answered, and the sampler samples each request with the last update submitted before
+it: which version samples what depends on the order of submissions alone, never on timing. The answers carry that
+version and the sampler's own log-probs of its tokens (the behaviour policy's). A request either carries a seed
+(its own random stream) or the trainer's RNG state (the sampler draws from it and sends back where it ended, so
+the trainer's stream goes on as if it had sampled itself). A peer that dies or stops answering fails the other
+side's next message within the link's timeout, in one line (``SamplerLost``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from dschat.devices import forked_rng
-from dschat.errors import UserError
+from dschat.errors import ExitCode, UserError
 from dschat.generation.backends import generate
-from dschat.generation.decode import Backend, Generated, GenerationConfig, Prompts
-from dschat.generation.weight_link import receive_weights, send_weights
+from dschat.generation.decode import Backend, GenerationConfig, Prompts
+from dschat.generation.weight_link import Snapshot, receive_weights, send_snapshot
 
 SAMPLER_RANK = 1
 
 
 class SamplerLost(UserError):
-    """The other side of a sampler's link died or stopped answering."""
+    """The sampler died or stopped answering. Stage 3 saves the state of its last completed step first; exit code
+    4, as a run stopped with a state."""
+
+    exit_code = ExitCode.STOPPED
 
 
-def _lost(what: str, error: BaseException) -> SamplerLost:
+def _lost(what: str, error: BaseException, kind: type[UserError] = SamplerLost) -> UserError:
     from dschat.errors import first_line
 
-    return SamplerLost(f"{what}: {first_line(error)}")
+    return kind(f"{what}: {first_line(error)}")
+
+
+@dataclass
+class Answer:
+    """A sampler's answers to one request."""
+
+    sequences: torch.Tensor  # (B, P + A) on the CPU
+    logprobs: torch.Tensor  # (B, A) float32: the sampler's log-probs of its tokens (the behaviour policy's)
+    engine: bool  # a serving engine's log-probs (vLLM), not exactly the trainer's numerics
+    version: int  # the weight update that sampled them
+    seconds: float  # the sampler's time on them
+    rng_state: torch.Tensor | None = None  # where the trainer's RNG stream ended, for a request that sent it
 
 
 class SamplerClient:
-    """The trainer's side of a sampler (its link's rank 0)."""
+    """The trainer's side of a sampler (its link's rank 0): ``push`` and ``sample`` submit an exchange and return
+    its future; a courier thread runs them in order. After a failure every later future fails the same way."""
 
     def __init__(self, link: Any):
         self.link = link
-        self.pending = False  # a request sent and not yet answered
+        self._jobs: queue.Queue[tuple[Any, Future] | None] = queue.Queue()
+        self._failed: BaseException | None = None
+        self._courier = threading.Thread(target=self._run, name="dschat-sampler-courier", daemon=True)
+        self._courier.start()
 
-    def push(self, module: torch.nn.Module, version: int) -> dict[str, float]:
-        """Send ``module``'s weights as ``version``; the sampler checks them before its next sample (``sync/*``).
-        Raises ``WeightLinkError`` when it refused them."""
+    def push(self, snapshot: Snapshot, version: int) -> Future:
+        """Send a weight snapshot as ``version``; the future's result is its ``sync/*`` figures, or
+        ``WeightLinkError`` when the sampler refused it."""
+        return self._submit(lambda: self._push(snapshot, version))
+
+    def sample(self, prompts: Prompts, settings: GenerationConfig, seed: int | None = None,
+               rng_state: torch.Tensor | None = None) -> Future:
+        """Ask for answers to ``prompts`` (left-padded), sampled with ``settings`` from a stream seeded with
+        ``seed``, or from the CPU RNG state ``rng_state``; the future's result is an ``Answer``."""
+        ids = prompts.ids.detach().to("cpu", torch.long, copy=True)
+        mask = prompts.mask.detach().to("cpu", torch.long, copy=True)
+        state = None if rng_state is None else rng_state.detach().clone()
+        return self._submit(lambda: self._sample(ids, mask, prompts.eos_token_id, prompts.pad_token_id, settings,
+                                                 seed, state))
+
+    def stop(self, wait: float = 30.0) -> None:
+        """Tell the sampler to exit once it has answered what it was asked, and end the courier."""
+        self._jobs.put(None)
+        self._courier.join(wait)
+
+    def _submit(self, job: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((job, future))
+        return future
+
+    def _run(self) -> None:
+        if self.link.device.type == "cuda":
+            torch.cuda.set_device(self.link.device)
+        while True:
+            try:
+                item = self._jobs.get(timeout=self.link.timeout_s / 3)
+            except queue.Empty:  # idle (the trainer evaluates, saves, ...): tell the sampler it is still there
+                if self._failed is None:
+                    try:
+                        self.link.broadcast_json({"op": "ping"})
+                    except RuntimeError as e:
+                        self._failed = _lost("the sampler died or stopped answering", e)
+                continue
+            if item is None:
+                if self._failed is None:
+                    try:
+                        self.link.broadcast_json({"op": "stop"})
+                    except RuntimeError:
+                        pass  # already gone
+                return
+            job, future = item
+            if not future.set_running_or_notify_cancel():  # dropped before it was sent
+                continue
+            if self._failed is not None:
+                future.set_exception(self._failed)
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - the trainer reads it from the future
+                self._failed = e
+                future.set_exception(e)
+
+    def _push(self, snapshot: Snapshot, version: int) -> dict[str, float]:
         try:
             self.link.broadcast_json({"op": "weights"})
+            return send_snapshot(self.link, snapshot, version)
         except RuntimeError as e:
-            raise _lost("the sampler is gone (sending a weight update)", e) from None
-        return send_weights(self.link, module, version)
+            raise _lost(f"the sampler is gone (sending weight update {version})", e) from None
 
-    def request(self, prompts: Prompts, settings: GenerationConfig, seed: int) -> None:
-        """Ask for answers to ``prompts`` (left-padded, on any device), sampled with ``settings`` from a stream
-        seeded with ``seed``; ``result`` gives them, before the next request."""
-        if self.pending:
-            raise RuntimeError("a sampler takes one request at a time: read the answers of the last one first")
-        ids = prompts.ids.to(self.link.device)
-        mask = prompts.mask.to(self.link.device, torch.long)
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor, eos: Any, pad: int, settings: GenerationConfig,
+                seed: int | None, state: torch.Tensor | None) -> Answer:
+        dev = self.link.device
         try:
             self.link.broadcast_json({"op": "sample", "settings": asdict(settings), "seed": seed,
-                                      "shape": list(ids.shape), "eos": prompts.eos_token_id,
-                                      "pad": prompts.pad_token_id})
-            self.link.broadcast(ids.to(torch.long))
-            self.link.broadcast(mask)
+                                      "rng": 0 if state is None else state.numel(), "shape": list(ids.shape),
+                                      "eos": eos, "pad": pad})
+            self.link.broadcast(ids.to(dev))
+            self.link.broadcast(mask.to(dev))
+            if state is not None:
+                self.link.broadcast(state.to(dev))
         except RuntimeError as e:
             raise _lost("the sampler is gone (sending a request)", e) from None
-        self.pending = True
-
-    def result(self) -> tuple[Generated, int]:
-        """The answers to the request in flight, and the version of the weights that sampled them."""
-        if not self.pending:
-            raise RuntimeError("no request is in flight")
-        self.pending = False
         try:
             head = self.link.broadcast_json(None, src=SAMPLER_RANK)
             B, W = head["shape"]
-            seqs = self.link.broadcast(torch.empty(B, W, dtype=torch.long, device=self.link.device), SAMPLER_RANK)
-            logps = self.link.broadcast(torch.empty(B, W - head["prompt"], dtype=torch.float32,
-                                                    device=self.link.device), SAMPLER_RANK)
+            seqs = self.link.broadcast(torch.empty(B, W, dtype=torch.long, device=dev), SAMPLER_RANK)
+            logps = self.link.broadcast(torch.empty(B, W - head["prompt"], dtype=torch.float32, device=dev),
+                                        SAMPLER_RANK)
+            end = None
+            if head["rng"]:
+                end = self.link.broadcast(torch.empty(head["rng"], dtype=torch.uint8, device=dev), SAMPLER_RANK)
         except RuntimeError as e:
             raise _lost("the sampler died or stopped answering", e) from None
-        return Generated(seqs, None, engine_logprobs=logps if head["logprobs"] else None), int(head["version"])
-
-    def stop(self) -> None:
-        """Tell the sampler to exit (it answers what it was asked first)."""
-        try:
-            self.link.broadcast_json({"op": "stop"})
-        except RuntimeError:
-            pass  # already gone
+        return Answer(seqs.cpu(), logps.cpu(), bool(head["engine"]), int(head["version"]), float(head["seconds"]),
+                      None if end is None else end.cpu())
 
 
 class SamplerServer:
@@ -118,9 +192,11 @@ class SamplerServer:
             try:
                 msg = self.link.broadcast_json(None)
             except RuntimeError as e:
-                raise _lost("the trainer is gone", e) from None
+                raise _lost("the trainer is gone", e, UserError) from None
             if msg["op"] == "stop":
                 return
+            if msg["op"] == "ping":
+                continue
             if msg["op"] == "weights":
                 self.version = receive_weights(self.link, self.module)
             elif msg["op"] == "sample":
@@ -128,20 +204,34 @@ class SamplerServer:
 
     @torch.no_grad()
     def _answer(self, msg: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         B, P = msg["shape"]
         ids = self.link.broadcast(torch.empty(B, P, dtype=torch.long, device=self.link.device))
         mask = self.link.broadcast(torch.empty(B, P, dtype=torch.long, device=self.link.device))
+        state = None
+        if msg.get("rng"):
+            state = self.link.broadcast(torch.empty(msg["rng"], dtype=torch.uint8, device=self.link.device)).cpu()
         device = next(self.module.parameters()).device
-        settings = GenerationConfig(**msg["settings"])
-        with forked_rng(int(msg["seed"])):  # a backend with its own copy resyncs when the version moves
+        # the behaviour policy's log-probs always: they are what the trainer's correction weighs against
+        settings = replace(GenerationConfig(**msg["settings"]), logprobs=True)
+        with forked_rng(msg.get("seed")):  # a backend with its own copy resyncs when the version moves
+            if state is not None:  # the trainer's own stream: drawn from here, and where it ends goes back
+                torch.set_rng_state(state)
+                if device.type == "cuda":
+                    torch.cuda.manual_seed(int(torch.randint(2**62, (1,)).item()))
             out = generate(self.backend, self.module, Prompts(ids.to(device), mask.to(device), msg["eos"], msg["pad"]),
                            settings, engine=SimpleNamespace(global_steps=self.version))
-        logps = out.logprobs if out.logprobs is not None else out.engine_logprobs
+            end = torch.get_rng_state() if state is not None else None
+        engine = out.logprobs is None and out.engine_logprobs is not None
+        logps = out.engine_logprobs if engine else out.logprobs
         seqs = out.sequences.to(self.link.device)
         answer = torch.zeros(B, seqs.shape[1] - P, dtype=torch.float32, device=self.link.device)
         if logps is not None:
             answer.copy_(logps.float().to(self.link.device))
-        self.link.broadcast_json({"version": self.version, "shape": list(seqs.shape), "prompt": P,
-                                  "logprobs": logps is not None}, src=SAMPLER_RANK)
+        self.link.broadcast_json({"version": self.version, "shape": list(seqs.shape), "prompt": P, "engine": engine,
+                                  "rng": 0 if end is None else end.numel(),
+                                  "seconds": time.perf_counter() - t0}, src=SAMPLER_RANK)
         self.link.broadcast(seqs.contiguous(), SAMPLER_RANK)
         self.link.broadcast(answer, SAMPLER_RANK)
+        if end is not None:
+            self.link.broadcast(end.to(self.link.device), SAMPLER_RANK)

@@ -2,8 +2,9 @@
 on GPUs), never through a file, and checked before the sampler uses them.
 
 The trainer walks its weights under their Hugging Face names (``vllm_engine.policy_weights``: ZeRO-3 parameters
-gathered one at a time, which every trainer rank must walk, LoRA merged), and its first rank sends them in
-buckets: tensors of one dtype laid end to end up to ``BUCKET_BYTES``, each preceded by a JSON header (names,
+gathered one at a time, which every trainer rank must walk, LoRA merged); its first rank copies them into a
+snapshot on the CPU (``take_snapshot``: the trainer trains on while it travels) and sends that in buckets
+(``send_snapshot``): tensors of one dtype laid end to end up to ``BUCKET_BYTES``, each preceded by a JSON header (names,
 shapes, dtype, element count, a float64 checksum: count, sum, sum of squares). The sampler receives each bucket,
 checks its checksum, and copies its tensors into its own module. The last header carries the update's version and
 the probe: the trainer's log-probs of a fixed token sequence, which the sampler computes again with what it
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,32 +80,65 @@ def probe_logprobs(module: torch.nn.Module) -> list[float]:
     return logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().tolist()
 
 
-def send_weights(link: Any, module: torch.nn.Module, version: int, *, sending: bool = True,
-                 bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
-    """Send ``module``'s weights as update ``version`` (``link`` rank 0). Every trainer rank calls this, since a
-    ZeRO-3 gather is collective; only the one with ``sending`` (the trainer's first rank, the link's member) sends.
-    Raises ``WeightLinkError`` when the sampler refused the update."""
+@dataclass
+class Snapshot:
+    """One weight update as the trainer's first rank holds it until it is sent: the buckets (each a JSON header and
+    its flat tensor, on the CPU) and the probe. Taken at a step boundary, it lets the update travel while the
+    trainer goes on training (``dschat.generation.sampler``)."""
+
+    buckets: list[tuple[dict[str, Any], torch.Tensor]]
+    probe: list[float]
+    bytes: int
+    seconds: float  # the trainer's time to take it
+
+
+def take_snapshot(module: torch.nn.Module, keeping: bool = True, bucket_bytes: int = BUCKET_BYTES) -> Snapshot | None:
+    """``module``'s weights, bucketed, and its probe. Every trainer rank calls this, since a ZeRO-3 gather (and the
+    probe's forward) is collective; only the one ``keeping`` (the trainer's first rank, the link's member) keeps
+    the copy: the others get None."""
     t0 = time.perf_counter()
-    sent = 0
     weights = policy_weights(module)
-    if not sending:  # the walk alone: its gathers are collective
+    buckets: list[tuple[dict[str, Any], torch.Tensor]] = []
+    if not keeping:  # the walk alone: its gathers are collective
         for _ in weights:
             pass
-        return {}
-    for bucket in _buckets(weights, bucket_bytes, link.device):
-        flat = torch.cat([t.reshape(-1) for _, t in bucket])
-        header = {"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
-                  "dtype": str(flat.dtype), "numel": flat.numel(), "checksum": checksum(flat).tolist()}
+    else:
+        for bucket in _buckets(weights, bucket_bytes, torch.device("cpu")):
+            flat = torch.cat([t.reshape(-1) for _, t in bucket])
+            buckets.append(({"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
+                             "dtype": str(flat.dtype), "numel": flat.numel(),
+                             "checksum": checksum(flat).tolist()}, flat))
+    probe = probe_logprobs(module)
+    if not keeping:
+        return None
+    return Snapshot(buckets, probe, sum(f.numel() * f.element_size() for _, f in buckets),
+                    time.perf_counter() - t0)
+
+
+def send_snapshot(link: Any, snap: Snapshot, version: int) -> dict[str, float]:
+    """Send ``snap`` as update ``version`` (``link`` rank 0) and wait for the sampler's verdict: ``sync/seconds``
+    (taking the snapshot, sending it, the sampler's checks) and ``sync/bytes``. Raises ``WeightLinkError`` when the
+    sampler refused the update."""
+    t0 = time.perf_counter()
+    for header, flat in snap.buckets:
+        flat = flat.to(link.device, copy=True)
         if CORRUPT is not None:
             CORRUPT(flat)
         link.broadcast_json({"bucket": header})
         link.broadcast(flat)
-        sent += flat.numel() * flat.element_size()
-    link.broadcast_json({"done": {"version": version, "probe": probe_logprobs(module)}})
+    link.broadcast_json({"done": {"version": version, "probe": snap.probe}})
     verdict = link.broadcast_json(None, src=1)
     if not verdict["ok"]:
         raise WeightLinkError(f"weight update {version}: the sampler refused it: {verdict['message']}")
-    return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(sent)}
+    return {"sync/seconds": snap.seconds + time.perf_counter() - t0, "sync/bytes": float(snap.bytes)}
+
+
+def send_weights(link: Any, module: torch.nn.Module, version: int, *, sending: bool = True,
+                 bucket_bytes: int = BUCKET_BYTES) -> dict[str, float]:
+    """Snapshot and send at once (``take_snapshot``, ``send_snapshot``): every trainer rank calls it, the one
+    ``sending`` sends. Raises ``WeightLinkError`` when the sampler refused the update."""
+    snap = take_snapshot(module, sending, bucket_bytes)
+    return send_snapshot(link, snap, version) if snap is not None else {}
 
 
 def receive_weights(link: Any, module: torch.nn.Module, tolerance: float = PROBE_TOLERANCE) -> int:

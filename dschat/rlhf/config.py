@@ -73,6 +73,36 @@ class RLArgs:
 
 
 @dataclass
+class AsyncArgs:
+    async_rollouts: bool = arg(False, "Sample in a sampler process of its own, started here on --sampler-devices, "
+                                      "while the trainer trains: answers at most --max-staleness updates old, "
+                                      "weighed by the decoupled PPO loss (docs/generation.md, Asynchronous "
+                                      "rollouts).")
+    sampler: str = arg("", "HOST:PORT of a sampler started apart (dschat sampler --listen HOST:PORT, say on another "
+                           "node): asynchronous rollouts from it.")
+    sampler_devices: str = arg("cpu", "Where --async-rollouts starts its sampler: cpu (as many threads as the "
+                                      "trainer), cpu:CORES (e.g. cpu:1 or cpu:2-3: those cores alone, which the "
+                                      "trainer then leaves) or cuda:N.")
+    max_staleness: int = arg(1, "Most updates an answer may lag behind the policy it trains (K): the sampler "
+                                "samples at most K updates ahead and an older answer is dropped. 0: every answer "
+                                "from the current weights, in lockstep (the synchronous run's figures).", low=0)
+    sampler_timeout: float = arg(600.0, "Seconds the trainer waits for its sampler (to connect, and for each "
+                                        "answer or weight update): past it the run stops with a state saved. "
+                                        "Longer than the slowest batch's sampling.", above=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.async_rollouts or bool(self.sampler)
+
+    def inert_fields(self) -> dict[str, str]:
+        if not self.enabled:
+            return {f: "without --async-rollouts or --sampler" for f in
+                    ("sampler_devices", "max_staleness", "sampler_timeout")}
+        return {"sampler_devices": "with --sampler (a sampler started apart chose its devices)"} if self.sampler \
+            else {}
+
+
+@dataclass
 class RewardArgs:
     """Where a completion's reward comes from (every algorithm; docs/algorithms.md, PPO and Rule rewards)."""
 
@@ -212,6 +242,7 @@ class RLHFConfig:
     run: RunArgs = field(default_factory=RunArgs)
     health: HealthArgs = piece(HealthArgs, exclude=HEALTH_STAGE2)
     agent: AgentArgs = field(default_factory=AgentArgs)
+    rollouts: AsyncArgs = field(default_factory=AsyncArgs)
 
     @property
     def algorithm(self) -> Any:
@@ -225,7 +256,11 @@ class RLHFConfig:
                if s.group in OWNED_GROUPS and s.group not in mine and f"{s.group}.{s.field}" not in mine}
         out.update(self.algorithm.inert_flags(self))
         out.update(reward_settings_inert(self.reward_func_names()))
-        out.update(vllm_inert(self.rl.generation_backend, with_training=True))
+        vllm = vllm_inert(self.rl.generation_backend, with_training=True)
+        if self.rollouts.enabled and self.rollouts.max_staleness > 0:  # the decoupled loss weighs by them
+            for n in ("vllm_importance_sampling", "vllm_importance_sampling_cap"):
+                vllm.pop(n, None)
+        out.update(vllm)
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
         if "critic" not in self.algorithm.needs(self):
@@ -286,7 +321,42 @@ def check_config(cfg: RLHFConfig) -> None:
                             f"({', '.join(LEAN_MODEL_TYPES)} layouts); {cfg.actor.model} is {kind}: use "
                             f"--generation-backend dschat")
     check_agent(cfg.agent, cfg.reward_func_names())
+    check_async(cfg)
     cfg.algorithm.check_config(cfg)
+
+
+def check_async(cfg: RLHFConfig) -> None:
+    """Asynchronous rollouts: one sampler, named once; devices that parse."""
+    a = cfg.rollouts
+    if not a.enabled:
+        return
+    if a.async_rollouts and a.sampler:
+        raise UserError("--async-rollouts starts a sampler and --sampler names one started apart; pick one")
+    if a.sampler:
+        from dschat.utils import address
+
+        address(a.sampler)
+    else:
+        sampler_devices(a.sampler_devices)
+
+
+def sampler_devices(text: str) -> tuple[str, list[int]]:
+    """``--sampler-devices`` as (device, CPU cores): ``cpu`` -> ("cpu", []), ``cpu:1,3-4`` -> ("cpu", [1, 3, 4]),
+    ``cuda:1`` -> ("cuda:1", []); anything else a one-line error."""
+    kind, _, rest = text.partition(":")
+    if kind == "cuda" and rest.isdigit():
+        return text, []
+    if kind == "cpu":
+        cores: list[int] = []
+        try:
+            for part in filter(None, rest.split(",")):
+                lo, _, hi = part.partition("-")
+                cores.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            cores = [-1]
+        if not rest or (cores and min(cores) >= 0):
+            return "cpu", cores
+    raise UserError(f"--sampler-devices {text!r}: expected cpu, cpu:CORES (e.g. cpu:1 or cpu:0-3) or cuda:N")
 
 
 def check_agent(agent: AgentArgs, reward_names: list[str]) -> None:

@@ -47,11 +47,13 @@ class Rollout:
     prompt_len: int
     reached_eos: torch.Tensor  # (B,) bool
     logprobs: torch.Tensor | None = None  # (B, A) the sampling pass's log-probs of the answer tokens, if known
-    # (B, A) a serving engine's log-probs of the answer tokens (vLLM), for the importance-sampling correction only
+    # (B, A) the behaviour policy's log-probs of the answer tokens, where another engine sampled them (vLLM, or an
+    # asynchronous sampler with older weights), for the importance-sampling correction only
     engine_logprobs: torch.Tensor | None = None
     # episodes with tools or environments (``dschat.agents``): each row's text, environment reward and counts; the
     # answer columns then hold context tokens too (in the attention mask, not in the action mask)
     episode: EpisodeInfo | None = None
+    behaviour: str = "vllm"  # what sampled, where engine_logprobs are set: the correction's metrics' prefix
 
     @property
     def answer_lengths(self) -> torch.Tensor:
@@ -61,7 +63,7 @@ class Rollout:
         return Rollout(self.sequences[idx], self.attention_mask[idx], self.action_mask[idx], self.prompt_len,
                        self.reached_eos[idx], None if self.logprobs is None else self.logprobs[idx],
                        None if self.engine_logprobs is None else self.engine_logprobs[idx],
-                       None if self.episode is None else self.episode.select(idx))
+                       None if self.episode is None else self.episode.select(idx), self.behaviour)
 
 
 def make_episode_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, out: Generated, episodes: Any,
@@ -88,7 +90,7 @@ def make_episode_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, out: G
 def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: torch.Tensor, eos_token_id: int,
                  pad_token_id: int, min_answer_len: int = 2,
                  logprobs: torch.Tensor | None = None,
-                 engine_logprobs: torch.Tensor | None = None) -> tuple[Rollout, int]:
+                 engine_logprobs: torch.Tensor | None = None, behaviour: str = "vllm") -> tuple[Rollout, int]:
     """Mask everything after each answer's first EOS; answers shorter than ``min_answer_len`` get an all-zero
     action mask (dropped from every loss and count) rather than removed, so batch shapes stay equal on all
     ranks. Returns the rollout and the number of answers dropped."""
@@ -107,7 +109,8 @@ def make_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, sequences: tor
         logprobs = logprobs.float().masked_fill(action_mask == 0, 0.0)  # 0 where masked, as answer_logprobs gives
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs.float().masked_fill(action_mask == 0, 0.0)
-    return Rollout(seq, mask, action_mask, P, reached_eos, logprobs, engine_logprobs), int(short.sum())
+    return Rollout(seq, mask, action_mask, P, reached_eos, logprobs, engine_logprobs, None, behaviour), \
+        int(short.sum())
 
 
 def by_halves(site: str, model: Any, rollout: Rollout, forward: Any) -> torch.Tensor:
@@ -210,22 +213,28 @@ def behaviour_logprobs(model: Any, rollout: Rollout, temperature: float = 1.0) -
 
 def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: str,
                        cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Truncated importance weights for answers a serving engine sampled (docs/generation.md, vLLM).
+    """Truncated importance weights for answers another engine sampled: a serving engine (vLLM,
+    docs/generation.md) or an asynchronous sampler holding older weights (the decoupled loss).
 
-    The engine samples from its own numerics (other kernels, other precision), so its distribution ``q`` is not
-    exactly the trainer's ``p`` that the loss assumes. Weighing each token's policy loss by
-    ``w_t = min(exp(log p_t - log q_t), cap)`` (``token``), or each answer's by
-    ``min(exp(sum_t (log p_t - log q_t)), cap)`` (``sequence``), corrects the gradient toward ``p``'s, with the
-    truncation bounding the variance (Yao et al. 2025, truncated importance sampling).
+    The behaviour policy ``mu`` that sampled (``rollout.engine_logprobs``) is not exactly the policy ``p`` the loss
+    takes the samples to come from (``trainer_logprobs``: the trainer's log-probs before the update, the proximal
+    policy): other kernels, other precision, or older weights. Weighing each token's policy loss by
+    ``w_t = min(exp(log p_t - log mu_t), cap)`` (``token``), or each answer's by
+    ``min(exp(sum_t (log p_t - log mu_t)), cap)`` (``sequence``), corrects the gradient toward ``p``'s, with the
+    truncation bounding the variance (Yao et al. 2025, truncated importance sampling; with the loss's own ratio
+    against ``p`` this is the decoupled PPO objective of Hilton et al. 2022).
 
     Args:
-        rollout: with ``engine_logprobs`` ``(B, A)``; without them (our own decoder) there is no gap: ``None``.
-        trainer_logprobs: ``(B, A)`` the trainer's log-probs of the same tokens under the sampling policy.
+        rollout: with ``engine_logprobs`` ``(B, A)``; without them (the trainer's own samples) there is no gap:
+            ``None``.
+        trainer_logprobs: ``(B, A)`` the trainer's log-probs of the same tokens under the proximal policy.
         mode: ``none | token | sequence``.
 
     Returns:
-        ``(B, A)`` weights (1 off the action mask) or None, and the gap's metrics (``vllm/*``), logged whether or
-        not the weights are used.
+        ``(B, A)`` weights (1 off the action mask) or None, and the gap's metrics under ``rollout.behaviour``
+        (``vllm/*`` or ``async/*``: the mean and largest absolute log-prob gap, the behaviour-to-proximal KL as
+        the k3 estimate ``exp(d) - 1 - d`` with ``d = log p - log mu`` averaged over answer tokens, and with
+        weights their mean and the share truncated at ``cap``), logged whether or not the weights are used.
     """
     q = rollout.engine_logprobs
     if q is None:
@@ -233,7 +242,9 @@ def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: s
     mask = rollout.action_mask.bool()
     gap = (trainer_logprobs.detach().float() - q.to(trainer_logprobs.device)).masked_fill(~mask, 0.0)
     n = mask.sum().clamp(min=1)
-    stats = {"vllm/logprob_diff_mean": float(gap.abs().sum() / n), "vllm/logprob_diff_max": float(gap.abs().max())}
+    at = rollout.behaviour
+    stats = {f"{at}/logprob_diff_mean": float(gap.abs().sum() / n), f"{at}/logprob_diff_max": float(gap.abs().max()),
+             f"{at}/kl_behaviour_prox": float((torch.expm1(gap) - gap).sum() / n)}
     if mode == "none":
         return None, stats
     if mode == "token":
@@ -243,8 +254,8 @@ def importance_weights(rollout: Rollout, trainer_logprobs: torch.Tensor, mode: s
     else:
         raise ValueError(f"unknown importance sampling mode {mode!r}")
     weights = raw.clamp(max=cap).masked_fill(~mask, 1.0)
-    stats.update({"vllm/is_weight_mean": float(weights[mask].mean()) if mask.any() else 1.0,
-                  "vllm/is_clipped_frac": float((raw[mask] > cap).float().mean()) if mask.any() else 0.0})
+    stats.update({f"{at}/is_weight_mean": float(weights[mask].mean()) if mask.any() else 1.0,
+                  f"{at}/is_truncated_frac": float((raw[mask] > cap).float().mean()) if mask.any() else 0.0})
     return weights, stats
 
 
@@ -283,7 +294,8 @@ def generate_rollout(hybrid: HybridEngine, tokenizer: Any, batch: dict[str, Any]
             return make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len)
         out = hybrid.sample(p, m, gen, generator_seed=seed)
         return make_rollout(p, m, out.sequences, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                            min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs)
+                            min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs,
+                            behaviour=getattr(hybrid, "behaviour", "vllm"))
 
     def join(parts: list[tuple[Rollout, int]]) -> tuple[Rollout, int]:
         return concat_rollouts([r for r, _ in parts], tokenizer.pad_token_id), sum(d for _, d in parts)
@@ -338,7 +350,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     return Rollout(torch.cat(seq), torch.cat(mask), torch.cat(amask), P, torch.cat([r.reached_eos for r in parts]),
                    torch.cat(logps) if len(logps) == len(parts) else None,
                    torch.cat(engine) if len(engine) == len(parts) else None,
-                   EpisodeInfo.concat(episodes) if len(episodes) == len(parts) else None)
+                   EpisodeInfo.concat(episodes) if len(episodes) == len(parts) else None, parts[0].behaviour)
 
 
 def completion_texts(tokenizer: Any, rollout: Rollout, prompt_mask: torch.Tensor) -> tuple[list[str], list[str],

@@ -133,6 +133,9 @@ class DPOArgs:
         return out
 
 
+ASYNC_FLAGS = ("async_rollouts", "sampler", "sampler_devices", "max_staleness", "sampler_timeout")
+
+
 def no_importance_sampling(algo: str) -> dict[str, str]:
     """The vLLM importance-sampling flags under an algorithm without a policy-gradient loss to weigh."""
     return {n: f"with --algo {algo} (no policy-gradient loss to weigh)"
@@ -401,6 +404,8 @@ class DPOSpec(AlgorithmSpec):
                                          "enable_hybrid_engine", "generation_backend", "reward_weights",
                                          *VLLM_FLAGS)})
         out.update(no_importance_sampling("dpo"))
+        out.update({n: "with --algo dpo (it trains on dataset pairs: nothing to sample while it trains)"
+                    for n in ASYNC_FLAGS})
         out.update({n: "with --algo dpo (it trains on dataset pairs: no sampled answers to watch)"
                     for n in SAMPLING_ALARMS})
         out.update(no_reference(cfg))

@@ -340,11 +340,15 @@ class ResumableLoop:
                 self.save()
 
     def updates(self, total_steps: int, fields: Callable[[], dict[str, Any]],
-                tensors: Callable[[], dict[str, torch.Tensor]], keep_boundary: bool = False) -> Iterator[int]:
+                tensors: Callable[[], dict[str, torch.Tensor]], keep_boundary: bool = False,
+                boundary: tuple[Callable[[], dict[str, Any]], Callable[[], dict[str, torch.Tensor]]] | None = None
+                ) -> Iterator[int]:
         """Stage 3: yields each step number in turn; the caller runs the update in the loop body. A state holds
         ``fields()`` and ``tensors()`` of that moment. The first Ctrl-C stops after the current step, with a state
         saved (``stop_after_step``). ``keep_boundary``: keep a copy of each step's starting fields, tensors and RNG
-        for ``save_last_step`` (a copy per step, so only where a step can fail before its update: remote rewards)."""
+        for ``save_last_step`` (a copy per step, so only where a step can fail before its update: remote rewards, a
+        sampler in another process), taken by ``boundary``'s pair of callbacks where given (what can be had at
+        once: the copy must not wait), else by ``fields`` and ``tensors``."""
 
         def save() -> Path | None:
             return self.save(fields(), tensors())
@@ -354,7 +358,8 @@ class ResumableLoop:
             self._start_state(save)
             while self.step < total_steps:
                 if keep_boundary:
-                    self._boundary = (copy.deepcopy(fields()), tensors(), _rng_state())
+                    f, t = boundary or (fields, tensors)
+                    self._boundary = (copy.deepcopy(f()), t(), _rng_state())
                 yield self.step + 1
                 self.step += 1
                 if stop.requested() and self.step < total_steps and (saved := save()) is not None:

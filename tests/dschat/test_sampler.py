@@ -22,6 +22,7 @@ from dschat.devices import forked_rng
 from dschat.generation.backends import generate
 from dschat.generation.decode import DschatBackend, GenerationConfig, Prompts
 from dschat.generation.sampler import SamplerClient, SamplerLost
+from dschat.generation.weight_link import take_snapshot
 from tests.helpers import ROOT
 
 TIMEOUT = 60
@@ -74,34 +75,43 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
                 p.add_(torch.randn_like(p) * 0.02)
         settings = GenerationConfig(max_new_tokens=12, temperature=1.0, logprobs=True)
         prompts = _prompts(tok)
-        assert client.push(model, version=1)["sync/bytes"] > 0
-        client.request(prompts, settings, seed=5)
-        with pytest.raises(RuntimeError, match="one request at a time"):
-            client.request(prompts, settings, seed=6)
-        first, v1 = client.result()
-        client.request(prompts, settings, seed=6)
-        second, _ = client.result()
+        pushed = client.push(take_snapshot(model), version=1)
+        first = client.sample(prompts, settings, seed=5)  # in flight together: the courier sends them in order
+        second = client.sample(prompts, settings, seed=6)
+        assert pushed.result(TIMEOUT)["sync/bytes"] > 0
+        first, second = first.result(TIMEOUT), second.result(TIMEOUT)
         want = _local(model, prompts, settings, 5)
-        assert v1 == 1 and torch.equal(first.sequences, want.sequences)
-        torch.testing.assert_close(first.engine_logprobs, want.logprobs)  # the behaviour policy's, from the sampler
+        assert first.version == 1 and torch.equal(first.sequences, want.sequences) and not first.engine
+        torch.testing.assert_close(first.logprobs, want.logprobs)  # the behaviour policy's, from the sampler
         assert torch.equal(second.sequences, _local(model, prompts, settings, 6).sequences)
+        torch.manual_seed(11)  # the trainer's own RNG stream: the sampler draws from it and hands back where it ended
+        state = torch.get_rng_state()
+        with torch.no_grad():
+            want = generate(DschatBackend(), model, prompts, settings)
+        after = torch.get_rng_state()
+        got = client.sample(prompts, settings, rng_state=state).result(TIMEOUT)
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(got.rng_state, after)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.5)
-        client.push(model, version=2)
-        client.request(prompts, settings, seed=5)
-        third, v2 = client.result()
-        assert v2 == 2 and torch.equal(third.sequences, _local(model, prompts, settings, 5).sequences)
+        client.push(take_snapshot(model), version=2)
+        third = client.sample(prompts, settings, seed=5).result(TIMEOUT)
+        assert third.version == 2 and torch.equal(third.sequences, _local(model, prompts, settings, 5).sequences)
         assert not torch.equal(third.sequences, first.sequences)
         p = _prompts(tok)  # then a request of seconds, and the sampler killed while it samples
         big = Prompts(p.ids.repeat(8, 1), p.mask.repeat(8, 1), p.eos_token_id, p.pad_token_id)
-        client.request(big, GenerationConfig(max_new_tokens=300), seed=1)
+        pending = client.sample(big, GenerationConfig(max_new_tokens=300), seed=1)
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(SamplerLost) as caught:
-            client.result()
+            pending.result(TIMEOUT + 5)
         assert time.monotonic() - t0 < TIMEOUT + 5
-        assert str(caught.value).startswith("the sampler died or stopped answering: ") and "\n" not in str(caught.value)
+        message = str(caught.value)  # killed before or after the courier sent the request
+        assert message.startswith(("the sampler died or stopped answering: ",
+                                   "the sampler is gone (sending a request)"))
+        assert "\n" not in message
+        with pytest.raises(SamplerLost):  # and every exchange after it
+            client.sample(prompts, settings, seed=1).result(TIMEOUT)
     finally:
         proc.kill()
 

@@ -44,7 +44,7 @@ def test_importance_weights_by_hand():
     torch.testing.assert_close(w, want)
     assert stats["vllm/logprob_diff_max"] == pytest.approx(1.0)
     assert stats["vllm/logprob_diff_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.2 + 0.0) / 5)
-    assert stats["vllm/is_clipped_frac"] == pytest.approx(1 / 5)
+    assert stats["vllm/is_truncated_frac"] == pytest.approx(1 / 5)
     w, _ = importance_weights(r, trainer, "sequence", cap=2.0)  # per answer: exp(sum of its gaps), then capped
     torch.testing.assert_close(w, torch.tensor([[math.exp(-0.5)] * 3, [math.exp(0.2), math.exp(0.2), 1.0]]))
     w, stats = importance_weights(r, trainer, "none", cap=2.0)

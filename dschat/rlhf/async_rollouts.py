@@ -1,0 +1,523 @@
+"""Where stage 3's answers come from: the trainer samples them itself between its updates (``Lockstep``, the
+default), or a sampler in a process of its own samples them while the trainer trains (``AsyncRollouts``:
+``--async-rollouts`` starts one, ``--sampler HOST:PORT`` uses one started apart; docs/generation.md,
+Asynchronous rollouts).
+
+Both give the algorithm what it samples through (``engine``: the hybrid engine, or this object standing in for
+it), so no algorithm knows which it runs with. The asynchronous one:
+
+- **samples ahead.** Each prompt batch an algorithm draws is sampled by one or more calls (GRPO: each prompt
+  ``G`` times; ReMax: a greedy answer, then ``G`` sampled ones). The calls of the last batch are the pattern:
+  when the algorithm draws batch ``b``, the sampler is asked for the pattern's calls of every batch up to
+  ``b + K * n`` (``K`` = ``--max-staleness``, ``n`` the fewest batches a step has drawn), so it samples the next
+  steps' answers while this step trains. A call that does not match what was sampled ahead for it (a step that
+  drew otherwise) is asked for then, and the answers sampled ahead for it are dropped (``async/dropped``).
+- **bounds staleness.** A request is sampled with the last weight update sent before it, and the trainer sends
+  one after every step (``updated``): answers asked for at step ``s`` come from version ``s`` and are trained at
+  a step no later than ``s + K`` (each step draws at least one batch). An answer more than ``K`` versions old
+  is dropped and sampled again. ``K = 0`` asks for each call when the algorithm makes it, and sends the
+  trainer's RNG state with it, so the run is the synchronous run, figure for figure.
+- **marks what sampled.** With ``K > 0`` the sampler's log-probs are the behaviour policy's: the rollout holds
+  them as ``engine_logprobs`` under ``async/``, and PPO and the GRPO family weigh their loss by
+  ``min(pi_prox / mu, C)`` (``rollout.importance_weights``, the decoupled objective), ``pi_prox`` being the
+  trainer's log-probs before its update (the old log-probs they already take).
+- **keeps its answers in the state.** Answers sampled but not yet trained on are part of a saved state
+  (safetensors; JSON for their bookkeeping): a resumed run trains on the very answers, from the very versions,
+  that the uninterrupted run would have. (Sampling them again would need the older weights they came from.)
+
+Evaluations sample on the trainer, with its current weights, as in lockstep.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from dschat import engine as E
+from dschat.errors import UserError
+from dschat.generation.decode import Generated, GenerationConfig, Prompts
+from dschat.generation.sampler import Answer, SamplerClient, SamplerLost
+from dschat.generation.weight_link import take_snapshot
+
+
+class Lockstep:
+    """The trainer samples every answer itself, between its updates."""
+
+    can_fail = False  # nothing outside the trainer to lose mid-step
+
+    def __init__(self, hybrid: Any):
+        self.engine = hybrid
+
+    def watch(self, stream: Any) -> Any:
+        return stream
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        yield
+
+    def updated(self, version: int) -> None:
+        pass
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}
+
+    def state(self, wait: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {}, {}
+
+    def describe(self) -> str:
+        return f"sampling on {self.engine.backend.name}"
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Call:
+    """One sampling call of a prompt batch: each prompt ``copies`` times in a row, sampled with ``settings`` (a
+    ``GenerationConfig``'s fields but ``logprobs``, which the sampler always computes)."""
+
+    copies: int
+    settings: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def of(config: GenerationConfig, copies: int) -> Call:
+        return Call(copies, tuple((k, v) for k, v in asdict(config).items() if k != "logprobs"))
+
+    def config(self) -> GenerationConfig:
+        return GenerationConfig(**dict(self.settings))
+
+    def to_json(self) -> list[Any]:
+        return [self.copies, dict(self.settings)]
+
+    @staticmethod
+    def from_json(data: list[Any]) -> Call:
+        return Call(int(data[0]), tuple(data[1].items()))
+
+
+@dataclass
+class Ticket:
+    """One request to the sampler: asked for (``future``, on the trainer's first rank) or answered (``answer``,
+    the rows of every trainer rank, on every rank). ``rows``, ``widths``: each trainer rank's rows and prompt
+    width, in rank order (the request holds them all, left-padded to the widest)."""
+
+    batch: int
+    index: int  # the call's place among its batch's calls
+    call: Call | None
+    seed: int | None
+    rows: list[int]
+    widths: list[int]
+    future: Future | None = None
+    answer: Answer | None = None
+
+
+class _Stream:
+    """The prompt stream as the algorithm draws from it: each draw tells the rollouts which batch is current."""
+
+    def __init__(self, owner: AsyncRollouts):
+        self.owner = owner
+
+    @property
+    def consumed(self) -> int:  # batches handed to the algorithm (those pulled ahead to sample are not)
+        return self.owner.index
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Any:
+        return self.owner.draw()
+
+
+class AsyncRollouts:
+    """Answers from a sampler in another process, up to ``max_staleness`` updates ahead of the trainer; stands in
+    for the hybrid engine (``engine``) and passes everything but training-time sampling on to it."""
+
+    can_fail = True  # the sampler can die mid-step: the stage keeps each step's starting state to save
+
+    def __init__(self, hybrid: Any, client: SamplerClient | None, max_staleness: int, version: int,
+                 state: dict[str, Any], tensors: dict[str, torch.Tensor], timeout_s: float,
+                 process: subprocess.Popen | None = None, where: str = ""):
+        self.hybrid, self.client, self.K, self.version = hybrid, client, max_staleness, version
+        self.timeout_s, self.process, self.where = timeout_s, process, where
+        self.engine = self
+        self.behaviour = "async" if max_staleness > 0 else hybrid.behaviour
+        self.last_generate_seconds = 0.0
+        self.stream: Any = None
+        self.index = 0  # batches handed to the algorithm
+        self.ahead: collections.deque[Any] = collections.deque()  # pulled from the stream to sample, not handed out
+        self.current: tuple[int, Any] | None = None
+        self.calls = 0  # sampling calls made on the current batch
+        self.recording: list[Call | None] = []  # those calls, as a pattern
+        self.pattern: list[Call] | None = None
+        self.fewest = 0  # the fewest batches a step has drawn (0: no step yet)
+        self.step_batches = 0
+        self.in_step = False
+        self.tickets: dict[tuple[int, int], Ticket] = {}
+        self.issued: set[int] = set()  # batches whose calls were asked for ahead
+        self.pushes: list[Future] = []
+        self.lags: list[int] = []
+        self.dropped = 0
+        self.wait_s = self.sampler_s = 0.0
+        self.sync: dict[str, float] = {}
+        self._restore(state.get("async") or {}, tensors)
+        self.updated(version)  # the sampler starts from the trainer's weights (a resumed run's too)
+
+    def __getattr__(self, name: str) -> Any:  # the hybrid engine's: backend, agent, release, close, ...
+        if name == "hybrid":
+            raise AttributeError(name)
+        return getattr(self.hybrid, name)
+
+    def describe(self) -> str:
+        return f"sampling on a sampler process ({self.where}), at most {self.K} update(s) behind"
+
+    # ----------------------------------------------------------------------------------------------- the stream
+    def watch(self, stream: Any) -> _Stream:
+        self.stream, self.index = stream, stream.consumed
+        self.issued = {b for b in self.issued if b >= self.index}
+        return _Stream(self)
+
+    def draw(self) -> Any:
+        self._learn()
+        batch = self.ahead.popleft() if self.ahead else next(self.stream)
+        b = self.index
+        self.index += 1
+        self.current, self.calls = (b, batch), 0
+        self.step_batches += 1
+        if self.K > 0 and self.pattern is not None:
+            self._look_ahead(b, batch)
+        return batch
+
+    def _peek(self, b: int) -> Any:
+        while len(self.ahead) <= b - self.index:
+            self.ahead.append(next(self.stream))
+        return self.ahead[b - self.index]
+
+    def _learn(self) -> None:
+        """The current batch's calls become the pattern (none when a call's prompts were not its batch's)."""
+        if self.recording:
+            ok = all(c is not None for c in self.recording)
+            self.pattern = [c for c in self.recording if c is not None] if ok else None
+        self.recording = []
+
+    def _look_ahead(self, b: int, batch: Any) -> None:
+        assert self.pattern is not None
+        for x in range(b, b + self.K * max(self.fewest, 1) + 1):
+            if x in self.issued:
+                continue
+            self.issued.add(x)
+            rows = batch if x == b else self._peek(x)
+            for j, call in enumerate(self.pattern):
+                ids = rows["prompt"].repeat_interleave(call.copies, 0)
+                mask = rows["prompt_att_mask"].repeat_interleave(call.copies, 0)
+                self.tickets[(x, j)] = self._submit(x, j, call, ids, mask, self._seed(), None)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One training step: its sampling calls come from the sampler."""
+        self.in_step, self.step_batches = True, 0
+        try:
+            yield
+        finally:
+            self.in_step = False
+        self._learn()
+        if self.step_batches:
+            self.fewest = min(self.fewest or self.step_batches, self.step_batches)
+        for key in [k for k in self.tickets if k[0] < self.index]:  # asked for, never called for: not trained
+            self._drop(self.tickets.pop(key))
+        self.issued = {b for b in self.issued if b >= self.index}
+
+    # --------------------------------------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def sample(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+               generator_seed: int | None = None, *, episodes: Any = None, on_token: Any = None) -> Generated:
+        """A training step's call: its answers from the sampler (sampled ahead, or asked for now). Any other call
+        (an evaluation's, seeded) samples on the trainer."""
+        if not self.in_step or generator_seed is not None or self.current is None:
+            return self.hybrid.sample(prompt, prompt_mask, config, generator_seed, episodes=episodes,
+                                      on_token=on_token)
+        if episodes is not None or on_token is not None:
+            raise UserError("asynchronous rollouts sample plain answers: episodes with tools or environments "
+                            "(--tools, --env) run in lockstep; drop --async-rollouts or --sampler")
+        t0 = time.time()
+        b, batch = self.current
+        j, self.calls = self.calls, self.calls + 1
+        call = self._call_of(prompt, prompt_mask, batch, config)
+        self.recording.append(call)
+        ticket = self.tickets.pop((b, j), None)
+        if ticket is not None and ticket.call != call:
+            self._drop(ticket)
+            ticket = None
+        while True:
+            if ticket is None:  # asked for now: K = 0 carries the trainer's RNG state, as if it sampled itself
+                exact = self.K == 0 and E.world_size() == 1
+                ticket = self._submit(b, j, call, prompt, prompt_mask, None if exact else self._seed(),
+                                      torch.get_rng_state() if exact else None, config)
+            answer = self._collect(ticket)
+            if self.version - answer.version <= self.K:
+                break
+            self._drop(ticket)  # too old: sampled again, from the weights sent last
+            ticket = None
+        if answer.rng_state is not None:
+            torch.set_rng_state(answer.rng_state)
+        self.lags.extend([self.version - answer.version] * answer.sequences.shape[0])
+        self.sampler_s += answer.seconds
+        self.last_generate_seconds = time.time() - t0
+        return self._generated(answer, config, prompt.device)
+
+    def _call_of(self, prompt: torch.Tensor, mask: torch.Tensor, batch: Any, config: GenerationConfig) -> Call | None:
+        """The call as a pattern entry: its prompts are each of the batch's ``copies`` times in a row (else None)."""
+        rows = batch["prompt"]
+        if prompt.shape[0] % rows.shape[0] or prompt.shape[1] != rows.shape[1]:
+            return None
+        copies = prompt.shape[0] // rows.shape[0]
+        same = torch.equal(prompt.cpu(), rows.repeat_interleave(copies, 0).cpu()) and \
+            torch.equal(mask.cpu().long(), batch["prompt_att_mask"].repeat_interleave(copies, 0).cpu().long())
+        return Call.of(config, copies) if same else None
+
+    def _generated(self, answer: Answer, config: GenerationConfig, device: torch.device) -> Generated:
+        seqs, logps = answer.sequences.to(device), answer.logprobs.to(device)
+        if self.K > 0 or answer.engine:  # the behaviour policy's, for the correction: the trainer takes its own
+            return Generated(seqs, None, engine_logprobs=logps)
+        fp32 = next(self.hybrid.module.parameters()).dtype == torch.float32  # as the hybrid engine keeps them
+        return Generated(seqs, logps if config.logprobs and fp32 else None)
+
+    def _seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,)).item())
+
+    def _submit(self, batch: int, index: int, call: Call | None, ids: torch.Tensor, mask: torch.Tensor,
+                seed: int | None, rng_state: torch.Tensor | None, config: GenerationConfig | None = None) -> Ticket:
+        """Ask for one call's answers; every trainer rank calls it (the first sends all ranks' prompts)."""
+        ids, mask = ids.detach().cpu().long(), mask.detach().cpu().long()
+        parts = E.gather_objects((ids, mask)) if E.world_size() > 1 else [(ids, mask)]
+        rows, widths = [p[0].shape[0] for p in parts], [p[0].shape[1] for p in parts]
+        ticket = Ticket(batch, index, call, seed, rows, widths)
+        if self.client is not None:
+            W = max(widths)
+            pad = self.hybrid.pad_token_id
+            all_ids = torch.cat([torch.nn.functional.pad(i, (W - i.shape[1], 0), value=pad) for i, _ in parts])
+            all_mask = torch.cat([torch.nn.functional.pad(m, (W - m.shape[1], 0), value=0) for _, m in parts])
+            settings = config if config is not None else call.config()  # type: ignore[union-attr]
+            ticket.future = self.client.sample(Prompts(all_ids, all_mask, self.hybrid.eos_token_id, pad),
+                                               replace_logprobs(settings), seed, rng_state)
+        return ticket
+
+    def _wait(self, future: Future) -> Answer:
+        try:
+            return future.result(timeout=2 * self.timeout_s + 60)
+        except FutureTimeout:
+            raise SamplerLost(f"the sampler stopped answering: no answer within {2 * self.timeout_s + 60:.0f} s") \
+                from None
+
+    def _collect(self, ticket: Ticket, count: bool = True) -> Answer:
+        """This rank's rows of the ticket's answers (every rank calls it; the first reads the future)."""
+        if ticket.answer is None:
+            t0 = time.time()
+            if E.world_size() == 1:
+                assert ticket.future is not None
+                ticket.answer = self._wait(ticket.future)
+            else:
+                payload: Any = None
+                if self.client is not None:
+                    try:
+                        a = self._wait(ticket.future)  # type: ignore[arg-type]
+                        payload = (a.sequences, a.logprobs, a.engine, a.version, a.seconds)
+                    except (SamplerLost, UserError) as e:
+                        payload = str(e)
+                payload = E.broadcast_object(payload)
+                if isinstance(payload, str):
+                    raise SamplerLost(payload)
+                ticket.answer = Answer(*payload)
+            if count:
+                self.wait_s += time.time() - t0
+        a, r = ticket.answer, E.rank() if E.world_size() > 1 else 0
+        start, W = sum(ticket.rows[:r]), max(ticket.widths)
+        rows = slice(start, start + ticket.rows[r])
+        return dataclasses.replace(a, sequences=a.sequences[rows, W - ticket.widths[r]:], logprobs=a.logprobs[rows])
+
+    def _drop(self, ticket: Ticket) -> None:
+        if ticket.future is not None:
+            ticket.future.cancel()  # not yet sent: never sampled
+        self.dropped += ticket.rows[E.rank() if E.world_size() > 1 else 0]
+
+    # ---------------------------------------------------------------------------------------------- weights
+    def updated(self, version: int) -> None:
+        """The trainer's weights after update ``version``: sent to the sampler (every rank takes part in the
+        snapshot; the first keeps and sends it while training goes on)."""
+        self.version = version
+        snap = take_snapshot(self.hybrid.module, keeping=self.client is not None)
+        if self.client is not None and snap is not None:
+            self.pushes.append(self.client.push(snap, version))
+
+    def take_metrics(self) -> dict[str, float]:
+        """``async/*`` for the step just run, and ``sync/*`` of the last weight update the sampler has checked;
+        a refused update stops the run here (``WeightLinkError``), if no answer read has stopped it first (a lost
+        sampler stops it at the next read, inside a step)."""
+        for f in [f for f in self.pushes if f.done()]:
+            self.pushes.remove(f)
+            if isinstance(f.exception(), SamplerLost):
+                continue  # the next answer read stops the run, inside a step, whose start is kept to save
+            self.sync = f.result()  # raises what the sampler said of the update
+        lags = self.lags or [0]
+        dropped = float(E.all_reduce_sum(torch.tensor(float(self.dropped))).item()) if E.world_size() > 1 \
+            else float(self.dropped)
+        out = {"async/lag_mean": sum(lags) / len(lags), "async/lag_max": float(max(lags)), "async/dropped": dropped,
+               "async/wait_s": self.wait_s, "async/sampler_s": self.sampler_s, **self.sync}
+        self.lags, self.dropped, self.wait_s, self.sampler_s, self.sync = [], 0, 0.0, 0.0, {}
+        return out
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state(self, wait: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The answers sampled ahead, for a saved state. ``wait``: those still being sampled are waited for, so
+        the state holds them all (a periodic save); else only those already here (the copy kept at each step's
+        start, saved if the sampler is lost mid-step: a resumed run asks again for the rest)."""
+        entries, tensors = [], {}
+        waiting = [t for _, t in sorted(self.tickets.items()) if t.answer is None]
+        ready = [wait or (t.future is not None and t.future.done() and not t.future.cancelled()
+                          and t.future.exception() is None) for t in waiting]
+        if E.world_size() > 1:  # the first rank knows what has arrived; every rank collects the same tickets
+            ready = E.broadcast_object(ready)
+        for t, ok in zip(waiting, ready, strict=True):
+            if ok:
+                with contextlib.suppress(SamplerLost):  # lost with the sampler: a resumed run asks again
+                    self._collect(t, count=False)
+        for (b, j), t in sorted(self.tickets.items()):
+            if t.answer is None:
+                continue
+            a = t.answer
+            assert a is not None
+            n = len(entries)
+            entries.append({"batch": b, "index": j, "call": None if t.call is None else t.call.to_json(),
+                            "seed": t.seed, "rows": t.rows, "widths": t.widths, "version": a.version,
+                            "engine": a.engine, "seconds": a.seconds})
+            tensors[f"async.{n}.sequences"] = a.sequences
+            tensors[f"async.{n}.logprobs"] = a.logprobs
+        fields = {"pattern": None if self.pattern is None else [c.to_json() for c in self.pattern],
+                  "recording": [None if c is None else c.to_json() for c in self.recording],
+                  "fewest": self.fewest, "answers": entries}
+        return {"async": fields}, tensors
+
+    def _restore(self, saved: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if not saved:
+            return
+        self.pattern = None if saved["pattern"] is None else [Call.from_json(c) for c in saved["pattern"]]
+        self.recording = [None if c is None else Call.from_json(c) for c in saved["recording"]]
+        self.fewest = int(saved["fewest"])
+        world = E.world_size()
+        for n, e in enumerate(saved["answers"]):
+            if len(e["rows"]) != world:  # saved by another number of ranks: asked for again
+                continue
+            answer = Answer(tensors[f"async.{n}.sequences"], tensors[f"async.{n}.logprobs"], bool(e["engine"]),
+                            int(e["version"]), float(e["seconds"]))
+            call = None if e["call"] is None else Call.from_json(e["call"])
+            self.tickets[(e["batch"], e["index"])] = Ticket(e["batch"], e["index"], call, e["seed"], e["rows"],
+                                                            e["widths"], None, answer)
+            self.issued.add(e["batch"])
+
+    def close(self) -> None:
+        """Stop the sampler (one this run started is waited for, then killed if it lingers)."""
+        for t in self.tickets.values():
+            if t.future is not None:
+                t.future.cancel()
+        if self.client is not None:
+            self.client.stop()
+        if self.process is not None:
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def replace_logprobs(config: GenerationConfig) -> GenerationConfig:
+    return dataclasses.replace(config, logprobs=True)
+
+
+# ---------------------------------------------------------------------------------------------------- set-up
+def make_rollouts(cfg: Any, hybrid: Any, step: int, state: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  log: Any) -> Lockstep | AsyncRollouts:
+    """Lockstep sampling, or asynchronous rollouts from a sampler this run starts (``--async-rollouts``) or one
+    started apart (``--sampler``), linked to the trainer's first rank, from the trainer's weights of ``step``."""
+    a = cfg.rollouts
+    if not a.enabled:
+        return Lockstep(hybrid)
+    from dschat.rlhf.config import sampler_devices
+    from dschat.utils import address
+
+    client, process = None, None
+    if a.sampler:
+        host, port = address(a.sampler)
+        where = f"at {a.sampler}"
+    else:
+        device, cores = sampler_devices(a.sampler_devices)
+        host, port = "127.0.0.1", free_port()
+        where = f"on {a.sampler_devices}"
+    if E.is_main():
+        if not a.sampler:
+            process = start_sampler(cfg, port, device, cores)
+            log(f"started a sampler on {a.sampler_devices} (pid {process.pid}), at {host}:{port}")
+        wait_for_port(host, port, a.sampler_timeout, process)
+        try:
+            link = E.Link(host, port, 0, 2, a.sampler_timeout, cuda=E.device().type == "cuda", hosts=False)
+        except RuntimeError as e:
+            from dschat.errors import first_line
+
+            raise SamplerLost(f"the sampler at {host}:{port} did not take the link: {first_line(e)}") from None
+        client = SamplerClient(link)
+    return AsyncRollouts(hybrid, client, a.max_staleness, step, state, tensors, a.sampler_timeout, process, where)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Popen | None) -> None:
+    """Until ``host:port`` takes a connection; a one-line error past ``timeout_s``, or at once if the sampler this
+    run started has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise SamplerLost(f"the sampler exited with code {process.returncode} before it listened (its error is "
+                              "above)")
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((host, port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise SamplerLost(f"no sampler answers at {host}:{port} within --sampler-timeout {timeout_s:g} s "
+                              "(start one with dschat sampler --listen HOST:PORT)")
+        time.sleep(0.2)
+
+
+def start_sampler(cfg: Any, port: int, device: str, cores: list[int]) -> subprocess.Popen:
+    """``dschat sampler`` for this run's actor, on ``device`` (and ``cores``, which this process then leaves),
+    listening on the loopback at ``port``; its messages go to this run's stderr."""
+    threads = torch.get_num_threads()
+    if cores:
+        mine = sorted(set(os.sched_getaffinity(0)) - set(cores))
+        if mine:  # the trainer keeps the other cores
+            os.sched_setaffinity(0, mine)
+            torch.set_num_threads(len(mine))
+        threads = len(cores)
+    cmd = [sys.executable, "-m", "dschat.cli", "sampler", "--model", cfg.actor.model, "--listen",
+           f"127.0.0.1:{port}", "--device", device, "--generation-backend", cfg.rl.generation_backend,
+           "--dtype", cfg.model.dtype, "--timeout", str(cfg.rollouts.sampler_timeout), "--threads", str(threads)]
+    if cores:
+        cmd += ["--cpus", ",".join(map(str, cores))]
+    if cfg.model.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(cmd, env=env)
