@@ -320,6 +320,9 @@ class HealthArgs:
                                     low=0)
     alarm_clip_frac: float = arg(0.6, "The policy's clipped fraction at or above this over half the window.",
                                  low=0, high=1)
+    alarm_async_kl: float = arg(0.1, "Asynchronous rollouts: the KL from the sampler's policy to the trainer's "
+                                     "before its update (nats per answer token, async/kl_behaviour_prox) above "
+                                     "this over half the window.", low=0)
 
     def inert_fields(self) -> dict[str, str]:
         if self.on_alarm == "rollback":
@@ -331,7 +334,7 @@ HEALTH_COMMON = ("on_alarm", "alarm_window", "alarm_grad_spike", "rollback_lr_sc
 HEALTH_STAGE2 = ("alarm_overfit", "alarm_score_drift")
 # the stage-3 checks that watch sampled answers (offline DPO has none)
 SAMPLING_ALARMS = ("alarm_kl_ceiling", "alarm_kl_growth", "alarm_entropy_floor", "alarm_entropy_drop",
-                   "alarm_length_pinned", "alarm_eos_drop", "alarm_hacking_z", "alarm_clip_frac")
+                   "alarm_length_pinned", "alarm_eos_drop", "alarm_hacking_z", "alarm_clip_frac", "alarm_async_kl")
 
 
 @dataclass

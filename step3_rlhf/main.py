@@ -118,8 +118,9 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
                         f"resume with --eval-samples {samples} or start over")
     before = kept or evaluation()
     tracker = RunTracker(stage.output_dir, E.is_main(), total_updates, cfg.run.progress, desc=rl.algo)
+    staleness = cfg.rollouts.max_staleness if cfg.rollouts.enabled else None
     health = HealthMonitor(cfg.health, 3, stage.output_dir, Context(rl.max_answer_seq_len, models.reward_stats,
-                                                                    tuple(cfg.reward_func_names())),
+                                                                    tuple(cfg.reward_func_names()), staleness),
                            log=stage.log, tracker=tracker)
     loop.watch(health)
     if before and resume_from is None:

@@ -9,6 +9,7 @@
 - ``data``: the data as the stage would tokenize it (formats, drops, malformed rows, over-long prompts, lengths);
 - ``plan``: the memory plan, and on a GPU host each GPU's free memory against it;
 - ``output``: the output folder (writable, free space, a live lock, an earlier run);
+- ``sampler``: stage 3's asynchronous rollouts (a ``--sampler HOST:PORT`` that answers, ``--sampler-devices``);
 - ``cluster``: the launcher (hostfile, hosts, master port, versions).
 
 Severity is ``ok``, ``warn`` or ``error``; a run with an error would fail or train on something other than what
@@ -30,6 +31,7 @@ from dschat.doctor.models import check_models, inspect_model_folder, read_safete
 from dschat.doctor.output import check_output, output_folder
 from dschat.doctor.plan import GPUMemory, GPUReader, check_gpus, check_plan, visible_gpu_memory
 from dschat.doctor.report import ERROR, OK, WARN, Finding, Report
+from dschat.doctor.sampler import check_sampler
 from dschat.doctor.tokenizer import check_template, check_tokenizer
 from dschat.errors import UserError
 
@@ -46,10 +48,10 @@ def run_doctor(step: int, values: dict[str, Any], *, hostfile: str | None = None
 
     ``default_data(kind)`` gives ``--data`` when none is given (the stage mains pass the demo corpus; ``kind`` is
     ``pairwise`` for stages 1 and 2, the algorithm's demo file for stage 3). ``connect_timeout`` bounds each
-    network probe of a hostfile's hosts. ``gpu_reader`` gives the visible GPUs' free memory (``visible_gpu_memory``;
-    tests inject their own): on a GPU host without ``--gpu`` or ``--gpu-memory`` the plan is made for the
-    smallest visible GPU's memory, and each GPU the run would use is checked against the plan's peak. Returns the
-    findings in report order.
+    network probe (a hostfile's hosts, a ``--sampler HOST:PORT``). ``gpu_reader`` gives the visible GPUs' free
+    memory (``visible_gpu_memory``; tests inject their own): on a GPU host without ``--gpu`` or ``--gpu-memory``
+    the plan is made for the smallest visible GPU's memory, and each GPU the run would use is checked against the
+    plan's peak. Returns the findings in report order.
     """
     report = Report()
     cfg = check_flags(step, values, report)
@@ -72,5 +74,6 @@ def run_doctor(step: int, values: dict[str, Any], *, hostfile: str | None = None
         plan = check_plan(step, values, report, num_gpus=num_gpus, nodes=nodes, gpu_memory=gpu_memory, gpu=gpu)
         check_gpus(plan, gpus, num_gpus, report)
         check_output(step, cfg, report, plan, paths)
+        pass
     check_launcher(report, hostfile, master_port, connect_timeout)
     return report.findings

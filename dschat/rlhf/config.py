@@ -261,6 +261,8 @@ class RLHFConfig:
             for n in ("vllm_importance_sampling", "vllm_importance_sampling_cap"):
                 vllm.pop(n, None)
         out.update(vllm)
+        if not (self.rollouts.enabled and self.rollouts.max_staleness > 0):
+            out["alarm_async_kl"] = "without asynchronous rollouts (--async-rollouts or --sampler, --max-staleness > 0)"
         if self.actor_lora.lora_dim == 0 and self.critic_lora.lora_dim == 0:
             out["save_adapter"] = "without --actor-lora-dim or --critic-lora-dim"
         if "critic" not in self.algorithm.needs(self):

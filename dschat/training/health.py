@@ -61,12 +61,13 @@ class Alarm:
 
 @dataclass
 class Context:
-    """What the checks need beyond the metrics: the answer length cap, the reward model's stage-2 statistics and
-    the reward sources (stage 3)."""
+    """What the checks need beyond the metrics: the answer length cap, the reward model's stage-2 statistics, the
+    reward sources and the bound on staleness (stage 3)."""
 
     max_answer_len: int | None = None
     reward_stats: tuple[float, float] | None = None  # (mean, std) of the reward model's scores in stage 2
     reward_sources: tuple[str, ...] = ()
+    max_staleness: int | None = None  # asynchronous rollouts: the most updates an answer may lag (None: lockstep)
 
 
 class History:
@@ -386,6 +387,23 @@ def _clip_pinned(step: int, h: History, a: HealthArgs, c: Context) -> Any:
     return None
 
 
+def _async_lag(step: int, h: History, a: HealthArgs, c: Context) -> Any:
+    xs = h.values("async/lag_max")
+    if c.max_staleness is not None and xs and h.steps("async/lag_max")[-1] == step and xs[-1] > c.max_staleness:
+        return "async/lag_max", xs[-1], float(c.max_staleness), \
+            "an answer older than --max-staleness was trained on", step - 1
+    return None
+
+
+def _async_kl(step: int, h: History, a: HealthArgs, c: Context) -> Any:
+    n, key = a.alarm_window // 2, "async/kl_behaviour_prox"
+    xs = h.values(key)
+    if len(xs) >= n and h.steps(key)[-1] == step and _mean(xs[-n:]) > a.alarm_async_kl:
+        return key, _mean(xs[-n:]), a.alarm_async_kl, "the sampler's policy drifted from the trainer's (lower " \
+            "--max-staleness or the learning rate)", _window_start(h, key, a.alarm_window)
+    return None
+
+
 CHECKS = (
     Check("nonfinite", None, _nonfinite),
     Check("grad_spike", "alarm_grad_spike", _grad_spike),
@@ -402,6 +420,8 @@ CHECKS = (
     Check("rm_range", "alarm_rm_sigma", _rm_range, (3,)),
     Check("value_growth", "alarm_value_growth", _value_growth, (3,)),
     Check("clip_pinned", "alarm_clip_frac", _clip_pinned, (3,)),
+    Check("async_lag", None, _async_lag, (3,)),
+    Check("async_kl", "alarm_async_kl", _async_kl, (3,)),
 )
 
 

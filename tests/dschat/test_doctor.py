@@ -385,3 +385,69 @@ def test_the_loader_returns_its_malformed_rows_and_the_doctor_reads_them(tmp_pat
     warned = findings_of(step1(tmp_path, data=[str(path)], data_split="1,0,0"), "data", WARN)
     assert warned == [f"dropped a malformed row: {r['message']}" for r in pd.malformed[:3]] + [
         f"... and 2 more malformed rows in {name}"]
+
+
+# ------------------------------------------------------------------------------------------------ the sampler
+def step3(tmp_path: Path, gpu_reader=list, **flags) -> list:
+    """The doctor on stage 3's flags (the tiny preset as actor and reward model, the demo prompts)."""
+    return run_doctor(3, {"actor_model": "tiny", "reward_model": "tiny", "output_dir": str(tmp_path / "out"),
+                          **flags}, default_data=demo_data, gpu_reader=gpu_reader)
+
+
+def sampler_lines(found) -> list[tuple[str, str]]:
+    return [(f.severity, f.message) for f in found if f.check == "sampler"]
+
+
+def test_a_sampler_started_apart_is_probed_with_one_tcp_connection(tmp_path):
+    with socket.socket() as listening:  # what a sampler's TCPStore is to a probe: a port that takes connections
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        addr = f"127.0.0.1:{listening.getsockname()[1]}"
+        found = step3(tmp_path, sampler=addr)
+    assert sampler_lines(found) == [(OK, f"the sampler at {addr} answers (a TCP connection, closed again; the run "
+                                         "itself joins the link)")]
+    assert not errors(found), errors(found)
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{closed.getsockname()[1]}"
+    found = step3(tmp_path, sampler=addr)
+    assert sampler_lines(found) == [(ERROR, f"no sampler listens at {addr} (Connection refused): start one there "
+                                            f"with `dschat sampler --model tiny --listen {addr}`")]
+    assert errors(found) == [f"sampler: {sampler_lines(found)[0][1]}"]  # the only error, on one line
+    assert [f.check for f in found][-2:] == ["sampler", "launcher"]  # reported after the output folder
+
+
+def test_a_closed_sampler_port_fails_the_command_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{closed.getsockname()[1]}"
+    result = CliRunner().invoke(doctor_command, ["--step", "3", "--actor-model", "tiny", "--reward-model", "tiny",
+                                                 "--sampler", addr])
+    assert result.exit_code == 1, result.output
+    assert (f"\nerror sampler   no sampler listens at {addr} (Connection refused): start one there with `dschat "
+            f"sampler --model tiny --listen {addr}`\n") in result.output
+    assert result.output.splitlines()[-1].endswith(", 1 error(s)")
+
+
+def test_without_asynchronous_rollouts_there_is_no_sampler_line(tmp_path):
+    found = step3(tmp_path)
+    assert not sampler_lines(found) and not errors(found), found
+
+
+def test_async_rollouts_say_where_the_sampler_starts_and_check_its_gpu(tmp_path):
+    gib = 1024**3
+    two = [GPUMemory(0, "Fake-80GB", 70 * gib, 80 * gib), GPUMemory(1, "Fake-80GB", 79 * gib, 80 * gib)]
+    assert sampler_lines(step3(tmp_path, async_rollouts=True)) == [
+        (OK, "stage 3 starts a sampler on cpu (as many threads as the trainer)")]
+    assert sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:1")) == [
+        (OK, "stage 3 starts a sampler on cuda:1 (GPU 1, Fake-80GB, 79.00 GiB free)")]
+    shared = sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:0"))
+    assert shared[0][0] == OK and "a training rank uses GPU 0 too" in shared[0][1]
+    assert sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:3")) == [
+        (ERROR, "--sampler-devices cuda:3: no GPU 3 here (2 visible: cuda:0, cuda:1); pick one of them or check "
+                "CUDA_VISIBLE_DEVICES")]
+    # a doctor without CUDA (run away from the GPUs): said, not checked
+    assert sampler_lines(step3(tmp_path, async_rollouts=True, sampler_devices="cuda:3")) == [
+        (OK, "stage 3 starts a sampler on cuda:3 (not checked: no CUDA GPU visible to the doctor here)")]

@@ -483,3 +483,16 @@ def test_each_check_its_flag_and_its_function_read_alike():
         assert check.fn.__name__ == f"_{check.name}"
         if check.threshold is not None:
             assert check.threshold == by_unit.get(check.name, f"alarm_{check.name}")
+
+
+def test_async_checks_watch_the_lag_and_the_sampler_s_drift(tmp_path):
+    context = H.Context(max_staleness=1)
+    rows = healthy(30, **{"async/lag_max": 1.0, "async/kl_behaviour_prox": 0.01})
+    rows[12]["async/lag_max"] = 2.0  # older than K = 1: admission failed
+    assert feed(monitor(tmp_path, context=context), rows) == [(13, "async_lag")]
+    assert feed(monitor(tmp_path), healthy(30, **{"async/lag_max": 5.0})) == []  # lockstep: no bound to hold
+    rows = healthy(30, **{"async/lag_max": 1.0, "async/kl_behaviour_prox": 0.01})
+    for r in rows[15:]:
+        r["async/kl_behaviour_prox"] = 0.3  # the last 10 steps' mean: 0.097 at step 18, 0.126 at step 19
+    assert feed(monitor(tmp_path, context=context), rows) == [(19, "async_kl")]
+    assert feed(monitor(tmp_path, context=context, alarm_async_kl=0), rows) == []

@@ -947,3 +947,27 @@ def test_reinforce_pp_baseline_equal_group_gives_zero_advantages():
     adv = whiten_from_moments(returns, mask, masked_moments(returns, mask))
     assert torch.equal(adv, torch.zeros(4, 3))
 
+
+
+def test_the_decoupled_loss_of_asynchronous_rollouts_matches_a_hand_computation():
+    # One answer of two tokens, advantage 1, eps 0.2, cap C = 1.2. The sampler (behaviour mu) gave the tokens
+    # 0.5 and 0.2; the trainer before its update (proximal) gives 0.4 and 0.3; the trainer now gives 0.44, 0.45.
+    #   w = min(prox / mu, C) = (0.8, min(1.5, 1.2) = 1.2);   r = theta / prox = (1.1, 1.5 -> clipped 1.2)
+    #   per token -w * min(r A, clip(r) A) = (-0.8 * 1.1, -1.2 * 1.2) = (-0.88, -1.44): mean -1.16
+    from dschat.rlhf.rollout import Rollout, importance_weights
+
+    mu, prox, theta = (torch.tensor([[math.log(a), math.log(b)]]) for a, b in ((0.5, 0.2), (0.4, 0.3), (0.44, 0.45)))
+    mask = torch.ones(1, 2, dtype=torch.long)
+    rollout = Rollout(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), mask, 1,
+                      torch.tensor([True]), None, mu, None, "async")
+    weights, stats = importance_weights(rollout, prox, "token", cap=1.2)
+    torch.testing.assert_close(weights, torch.tensor([[0.8, 1.2]]))
+    assert stats["async/is_weight_mean"] == pytest.approx(1.0) and stats["async/is_truncated_frac"] == 0.5
+    d = (math.log(0.8), math.log(1.5))  # k3 of KL(mu || prox) per token: exp(d) - 1 - d, d = log prox - log mu
+    assert stats["async/kl_behaviour_prox"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 2, rel=1e-5)
+    assert stats["async/logprob_diff_max"] == pytest.approx(math.log(1.5), rel=1e-5)
+    ppo = ppo_policy_loss(theta, prox, torch.ones(1, 2), mask, 0.2, weights)
+    grpo = grpo_policy_loss(theta, prox, torch.ones(1), mask, 0.2, 0.2, "grpo", weights=weights)
+    assert ppo.loss.item() == pytest.approx(-1.16, rel=1e-5) and grpo.loss.item() == pytest.approx(-1.16, rel=1e-5)
+    same, _ = importance_weights(rollout, mu, "token", cap=1.2)  # lag 0 on an exact sampler: prox = mu, w = 1
+    assert torch.equal(same, torch.ones(1, 2))
