@@ -93,7 +93,7 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     if "shuffle" in tensors:
         shuffle.set_state(tensors["shuffle"])
     # the answers: sampled here between updates, or by a sampler process while the trainer trains
-    rollouts = make_rollouts(cfg, hybrid, loop.step, state, tensors, stage.log)
+    rollouts = make_rollouts(cfg, hybrid, tok, loop.step, state, tensors, stage.log)
     algo = Algo(cfg, models, rollouts.engine, scorer, gen, shuffle, ema, loop)
     stream = rollouts.watch(EpochStream(prompts, state.get("prompt_batches", 0), what="prompt batches"))
     tools = f" | {agent.describe()}" if agent is not None else ""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,7 @@ class Episodes:
         # body), result (a tool's answer), observation (an environment's); ``dschat chat`` shows them
         self.on_event: Any = None
         self.may_close = agent.may_close(tokenizer)
+        self._adopted: tuple[list[bool], EpisodeInfo, EpisodeCounts] | None = None  # results run elsewhere
         self._sessions: list[Any] = []  # each row's environment, closed when its episode ends or this batch goes
         weakref.finalize(self, _close_all, self._sessions)
 
@@ -262,11 +263,22 @@ class Episodes:
             st.mode = Mode.FORCE
 
     # ------------------------------------------------------------------------------------------- results
+    def adopt(self, record: dict[str, Any]) -> None:
+        """Take the results of these very episodes run elsewhere (a sampler process: ``sampler.episode_record``):
+        ``finished``, ``info`` and ``counts`` answer from ``record`` from now on."""
+        counts = record["counts"]
+        self._adopted = (list(record["finished"]), EpisodeInfo(**record["info"]),
+                         EpisodeCounts(**{**counts, "kinds": Counter(counts["kinds"])}))
+
     def finished(self) -> list[bool]:
+        if self._adopted is not None:
+            return self._adopted[0]
         return [st.finished for st in self.state]
 
     def info(self, answers: torch.Tensor, real: torch.Tensor) -> EpisodeInfo:
         """The batch's ``EpisodeInfo`` from the answer columns ``(B, A)`` and their real-token mask."""
+        if self._adopted is not None:
+            return self._adopted[1]
         texts = self.tokenizer.batch_decode([row[m] for row, m in zip(answers.cpu(), real.bool().cpu(), strict=True)],
                                             skip_special_tokens=True)
         return EpisodeInfo(texts, real.sum(-1).tolist(),
@@ -276,6 +288,8 @@ class Episodes:
 
     def counts(self, real: torch.Tensor, policy: torch.Tensor) -> EpisodeCounts:
         """The batch's counts (every row's, and its policy and context tokens from the masks ``(B, A)``)."""
+        if self._adopted is not None:
+            return self._adopted[2]
         total = EpisodeCounts()
         for st in self.state:
             total += st.counts

@@ -67,7 +67,7 @@ def sampler_command(model: str, listen: str, device: str, timeout: float, thread
     from dschat.devices import pick_device, resolve_dtype
     from dschat.generation.backends import make_backend
     from dschat.generation.sampler import SAMPLER_RANK, SamplerServer
-    from dschat.models.loading import create_causal_lm, resolve_saved_model
+    from dschat.models.loading import create_causal_lm, load_tokenizer, resolve_saved_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -79,7 +79,9 @@ def sampler_command(model: str, listen: str, device: str, timeout: float, thread
     print(f"[sampler] {path} on {dev}, sampling on {backend.name}; listening at {host}:{port}", file=sys.stderr,
           flush=True)
     link = E.Link(host, port, SAMPLER_RANK, 2, timeout, cuda=dev.type == "cuda", hosts=True)
+    server = SamplerServer(link, module, backend, tokenizer=load_tokenizer(path, cfg.model.trust_remote_code))
     try:
-        SamplerServer(link, module, backend).serve()
+        server.serve()
     finally:
+        server.close()
         backend.close()

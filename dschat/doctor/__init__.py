@@ -74,6 +74,6 @@ def run_doctor(step: int, values: dict[str, Any], *, hostfile: str | None = None
         plan = check_plan(step, values, report, num_gpus=num_gpus, nodes=nodes, gpu_memory=gpu_memory, gpu=gpu)
         check_gpus(plan, gpus, num_gpus, report)
         check_output(step, cfg, report, plan, paths)
-        pass
+        check_sampler(cfg, report, connect_timeout, gpus, num_gpus)
     check_launcher(report, hostfile, master_port, connect_timeout)
     return report.findings

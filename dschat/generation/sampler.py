@@ -74,6 +74,11 @@ class Answer:
     version: int  # the weight update that sampled them
     seconds: float  # the sampler's time on them
     rng_state: torch.Tensor | None = None  # where the trainer's RNG stream ended, for a request that sent it
+    # episodes (tools, environments): (B, A) bool, the policy's own tokens and the tokens fed at all; and what the
+    # episodes did (``episode_record``: finished, info, counts), JSON
+    policy_mask: torch.Tensor | None = None
+    real_mask: torch.Tensor | None = None
+    episodes: dict[str, Any] | None = None
 
 
 class SamplerClient:
@@ -92,15 +97,21 @@ class SamplerClient:
         ``WeightLinkError`` when the sampler refused it."""
         return self._submit(lambda: self._push(snapshot, version))
 
+    def agent(self, args: dict[str, Any]) -> Future:
+        """Give the sampler the run's tools and environments (``AgentArgs`` as JSON: its files are loaded on the
+        sampler's host); the future fails with the sampler's one line if it cannot build them."""
+        return self._submit(lambda: self._agent(args))
+
     def sample(self, prompts: Prompts, settings: GenerationConfig, seed: int | None = None,
-               rng_state: torch.Tensor | None = None) -> Future:
+               rng_state: torch.Tensor | None = None, rows: list[dict[str, Any]] | None = None) -> Future:
         """Ask for answers to ``prompts`` (left-padded), sampled with ``settings`` from a stream seeded with
-        ``seed``, or from the CPU RNG state ``rng_state``; the future's result is an ``Answer``."""
+        ``seed``, or from the CPU RNG state ``rng_state``; with ``rows`` (each prompt's data row) as episodes of
+        the tools and environments given by ``agent``. The future's result is an ``Answer``."""
         ids = prompts.ids.detach().to("cpu", torch.long, copy=True)
         mask = prompts.mask.detach().to("cpu", torch.long, copy=True)
         state = None if rng_state is None else rng_state.detach().clone()
         return self._submit(lambda: self._sample(ids, mask, prompts.eos_token_id, prompts.pad_token_id, settings,
-                                                 seed, state))
+                                                 seed, state, rows))
 
     def stop(self, wait: float = 30.0) -> None:
         """Tell the sampler to exit once it has answered what it was asked, and end the courier."""
@@ -151,13 +162,22 @@ class SamplerClient:
         except RuntimeError as e:
             raise _lost(f"the sampler is gone (sending weight update {version})", e) from None
 
+    def _agent(self, args: dict[str, Any]) -> None:
+        try:
+            self.link.broadcast_json({"op": "agent", "args": args})
+            verdict = self.link.broadcast_json(None, src=SAMPLER_RANK)
+        except RuntimeError as e:
+            raise _lost("the sampler is gone (sending the tools and environments)", e) from None
+        if not verdict["ok"]:
+            raise UserError(f"the sampler could not load the tools and environments: {verdict['message']}")
+
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor, eos: Any, pad: int, settings: GenerationConfig,
-                seed: int | None, state: torch.Tensor | None) -> Answer:
+                seed: int | None, state: torch.Tensor | None, rows: list[dict[str, Any]] | None) -> Answer:
         dev = self.link.device
         try:
             self.link.broadcast_json({"op": "sample", "settings": asdict(settings), "seed": seed,
                                       "rng": 0 if state is None else state.numel(), "shape": list(ids.shape),
-                                      "eos": eos, "pad": pad})
+                                      "eos": eos, "pad": pad, "rows": rows})
             self.link.broadcast(ids.to(dev))
             self.link.broadcast(mask.to(dev))
             if state is not None:
@@ -170,20 +190,27 @@ class SamplerClient:
             seqs = self.link.broadcast(torch.empty(B, W, dtype=torch.long, device=dev), SAMPLER_RANK)
             logps = self.link.broadcast(torch.empty(B, W - head["prompt"], dtype=torch.float32, device=dev),
                                         SAMPLER_RANK)
-            end = None
+            end = policy = real = None
             if head["rng"]:
                 end = self.link.broadcast(torch.empty(head["rng"], dtype=torch.uint8, device=dev), SAMPLER_RANK)
+            if head.get("episodes") is not None:
+                masks = self.link.broadcast(torch.empty(2, B, W - head["prompt"], dtype=torch.uint8, device=dev),
+                                            SAMPLER_RANK).cpu().bool()
+                policy, real = masks[0], masks[1]
         except RuntimeError as e:
             raise _lost("the sampler died or stopped answering", e) from None
         return Answer(seqs.cpu(), logps.cpu(), bool(head["engine"]), int(head["version"]), float(head["seconds"]),
-                      None if end is None else end.cpu())
+                      None if end is None else end.cpu(), policy, real, head.get("episodes"))
 
 
 class SamplerServer:
     """The sampler's side (its link's rank 1): ``serve`` answers the trainer until it says stop or is gone."""
 
-    def __init__(self, link: Any, module: torch.nn.Module, backend: Backend, version: int = 0):
+    def __init__(self, link: Any, module: torch.nn.Module, backend: Backend, version: int = 0,
+                 tokenizer: Any = None):
         self.link, self.module, self.backend, self.version = link, module.eval(), backend, version
+        self.tokenizer = tokenizer  # for episodes: the turns the tools and environments add are tokenized here
+        self.agent: Any = None
 
     def serve(self) -> None:
         """Answer weight updates and sample requests in the order they come. Returns on ``stop``; raises
@@ -199,8 +226,34 @@ class SamplerServer:
                 continue
             if msg["op"] == "weights":
                 self.version = receive_weights(self.link, self.module)
+            elif msg["op"] == "agent":
+                self._build_agent(msg["args"])
             elif msg["op"] == "sample":
                 self._answer(msg)
+
+    def close(self) -> None:
+        """Stop the tools' and environments' workers."""
+        if self.agent is not None:
+            self.agent.close()
+
+    def _build_agent(self, args: dict[str, Any]) -> None:
+        from dschat.agents.agent import build_agent
+        from dschat.config import AgentArgs
+
+        problem = ""
+        try:
+            if self.tokenizer is None:
+                raise UserError("this sampler has no tokenizer to run episodes with")
+            if self.agent is not None:
+                self.agent.close()
+            self.agent = build_agent(AgentArgs(**args))
+            if self.agent is not None:
+                self.agent.warm()
+        except UserError as e:
+            problem = str(e)
+        self.link.broadcast_json({"ok": not problem, "message": problem}, src=SAMPLER_RANK)
+        if problem:
+            raise UserError(f"the tools and environments: {problem}")
 
     @torch.no_grad()
     def _answer(self, msg: dict[str, Any]) -> None:
@@ -214,13 +267,19 @@ class SamplerServer:
         device = next(self.module.parameters()).device
         # the behaviour policy's log-probs always: they are what the trainer's correction weighs against
         settings = replace(GenerationConfig(**msg["settings"]), logprobs=True)
+        episodes = None
+        if msg.get("rows") is not None:
+            from dschat.agents.episode import Episodes
+
+            eos = msg["eos"] if isinstance(msg["eos"], list) else [msg["eos"]]
+            episodes = Episodes(self.agent, self.tokenizer, msg["rows"], eos, msg["pad"])
         with forked_rng(msg.get("seed")):  # a backend with its own copy resyncs when the version moves
             if state is not None:  # the trainer's own stream: drawn from here, and where it ends goes back
                 torch.set_rng_state(state)
                 if device.type == "cuda":
                     torch.cuda.manual_seed(int(torch.randint(2**62, (1,)).item()))
             out = generate(self.backend, self.module, Prompts(ids.to(device), mask.to(device), msg["eos"], msg["pad"]),
-                           settings, engine=SimpleNamespace(global_steps=self.version))
+                           settings, episodes=episodes, engine=SimpleNamespace(global_steps=self.version))
             end = torch.get_rng_state() if state is not None else None
         engine = out.logprobs is None and out.engine_logprobs is not None
         logps = out.engine_logprobs if engine else out.logprobs
@@ -228,10 +287,25 @@ class SamplerServer:
         answer = torch.zeros(B, seqs.shape[1] - P, dtype=torch.float32, device=self.link.device)
         if logps is not None:
             answer.copy_(logps.float().to(self.link.device))
+        record = None
+        if episodes is not None:
+            assert out.policy_mask is not None and out.real_mask is not None
+            record = episode_record(episodes, seqs[:, P:].cpu(), out.policy_mask.cpu(), out.real_mask.cpu())
         self.link.broadcast_json({"version": self.version, "shape": list(seqs.shape), "prompt": P, "engine": engine,
-                                  "rng": 0 if end is None else end.numel(),
+                                  "rng": 0 if end is None else end.numel(), "episodes": record,
                                   "seconds": time.perf_counter() - t0}, src=SAMPLER_RANK)
         self.link.broadcast(seqs.contiguous(), SAMPLER_RANK)
         self.link.broadcast(answer, SAMPLER_RANK)
         if end is not None:
             self.link.broadcast(end.to(self.link.device), SAMPLER_RANK)
+        if record is not None:
+            masks = torch.stack([out.policy_mask.bool(), out.real_mask.bool()]).to(self.link.device, torch.uint8)
+            self.link.broadcast(masks.contiguous(), SAMPLER_RANK)
+
+
+def episode_record(episodes: Any, answers: torch.Tensor, policy: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:
+    """What a batch of episodes did, as JSON: which ended, their ``EpisodeInfo`` and their ``EpisodeCounts``
+    (``Episodes.adopt`` takes it on the trainer's side)."""
+    counts = episodes.counts(real, policy)
+    return {"finished": episodes.finished(), "info": asdict(episodes.info(answers, real)),
+            "counts": {**asdict(counts), "kinds": dict(counts.kinds)}}

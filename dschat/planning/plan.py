@@ -12,7 +12,9 @@ bucket-sized KV cache and token step, which the hybrid engine releases when the 
 counts them), ``experience`` (the largest of the forwards of actor, reference, critic and reward model over the
 generated rows; they run one after another), ``train actor`` and ``train critic``. Every model's resident bytes
 (weights, gradients, optimizer states) count in every phase; a phase adds its transient bytes. The peak is the
-largest phase, plus a fixed reserve for the CUDA context, communication buffers and allocator slack.
+largest phase, plus a fixed reserve for the CUDA context, communication buffers and allocator slack. With
+asynchronous rollouts (``--async-rollouts``, ``--sampler``) the sampler's time and memory, the step time overlapped
+and in lockstep, and the split of the devices between sampling and training (``dschat.planning.rollouts``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dschat.planning.memory import (
     prefetch_bytes,
     training_activations,
 )
+from dschat.planning.rollouts import RolloutsPlan, balance
 from dschat.planning.shapes import ModelShape, model_config, shape_from_config
 
 # Efficiency assumptions of the time estimate (docs/planning.md): model FLOPs utilisation of training and of the
@@ -108,6 +111,7 @@ class Throughput:
     parts: dict[str, float]  # seconds per step by part
     tokens_per_step: int  # per GPU
     notes: list[str]
+    rollouts: RolloutsPlan | None = None  # stage 3 with --async-rollouts or --sampler
 
     @property
     def total_seconds(self) -> float | None:
@@ -157,7 +161,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.memory
+        r = self.throughput.rollouts
+        return self.peak_bytes <= self.memory and (r is None or r.fits)
 
     @property
     def cpu_bytes(self) -> int:
@@ -194,8 +199,11 @@ class Plan:
                       else ""))
         lines.append("")
         verdict = "fits" if self.fits else "does NOT fit"
+        r = self.throughput.rollouts
+        shared = (f"; {r.shares.partition(' ')[0]} also holds the sampler ({fmt_bytes(r.sampler_bytes)}): "
+                  f"{fmt_bytes(r.shared_peak)}" if r is not None and r.shared_peak else "")
         lines.append(f"verdict: {verdict}: peak {fmt_bytes(self.peak_bytes)} ({peak.name}) of "
-                     f"{fmt_bytes(self.memory)} per GPU")
+                     f"{fmt_bytes(self.memory)} per GPU{shared}")
         if self.cpu_bytes:
             lines.append(f"CPU memory for offload: {fmt_bytes(self.cpu_bytes)} per GPU, "
                          f"{fmt_bytes(self.cpu_bytes * self.num_gpus)} per node")
@@ -208,6 +216,8 @@ class Plan:
                      (f"; {t.steps} {unit}s: {_secs(t.total_seconds or 0)}" if t.steps is not None else
                       "; give --max-steps or --rows for the run's total"))
         lines.append("assuming " + "; ".join(t.notes))
+        if r is not None:
+            lines += r.lines(_secs, self.gpu.name)
         lines.append(f"saves: {fmt_bytes(self.checkpoint_bytes)} of model folders, "
                      f"{fmt_bytes(self.state_bytes)} per resumable training state")
         return "\n".join(lines)
@@ -226,6 +236,7 @@ class Plan:
             "cpu_bytes": self.cpu_bytes, "checkpoint_bytes": self.checkpoint_bytes, "state_bytes": self.state_bytes,
             "suggestion": self.suggestion, "suggested_flags": self.suggested_flags,
             "throughput": self.throughput.to_json(),
+            "async_rollouts": self.throughput.rollouts.to_json() if self.throughput.rollouts else None,
         }
 
 
@@ -278,6 +289,14 @@ def make_plan(step: int, values: dict[str, Any], *, num_gpus: int = 1, nodes: in
     allocator = 0 if dev.host else math.ceil(ALLOCATOR_SLACK * max(p.transient for p in phases))
     plan = Plan(step, dev, num_gpus, nodes, memory, reserve, models, phases, throughput, checkpoint, state, settings,
                 allocator=allocator, reserve_items=items)
+    r = throughput.rollouts
+    if r is not None and r.device_index is not None and r.device_index < num_gpus and not dev.host:
+        # --sampler-devices cuda:N of a training rank's GPU (on the first node): both processes hold it
+        r.shares = f"cuda:{r.device_index} with a training rank"
+        r.shared_peak, r.shared_memory = plan.peak_bytes + r.sampler_bytes, memory
+        if suggest and not r.fits:  # first a device of its own for the sampler
+            plan.suggestion, plan.suggested_flags = _move_sampler(values, num_gpus, nodes, memory, dev, reserve)
+            return plan
     if suggest and not plan.fits:
         plan.suggestion, plan.suggested_flags = _suggest(step, dict(values), num_gpus, nodes, memory, dev, reserve)
     return plan
@@ -452,20 +471,11 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
     seq = prompt + answer
     b = o.per_device_train_batch_size
     phases: list[Phase] = []
-    if generates:
+    if generates:  # evaluations sample on the trainer with asynchronous rollouts too: the phase stays
         gen = Phase("generate")
         if actor.sharding.stage == 3 or actor.sharding.offload:
             gen.items.append(("actor", "weights gathered whole", actor.params * d - actor.states.weights))
-        if samples_through_lean(cfg, actor, dev) and (stacked := stacked_weight_bytes(actor.shape, d)) <= \
-                FUSE_COPY_BYTES:
-            gen.items.append(("actor", "q/k/v and gate/up weights stacked", stacked))
-        if samples_through_graphs(cfg, actor, dev):
-            gen.items += graph_captures(actor.shape, gen_rows, seq, d)
-        else:
-            kv = kv_cache_bytes(actor.shape, gen_rows, seq, d)
-            gen.items.append(("actor", f"KV cache {gen_rows} x {seq} tokens", kv))
-        gen.items.append(("actor", "prefill", inference_activations(actor.shape, gen_rows, prompt, d,
-                                                                    out_tokens=gen_rows)))
+        gen.items += generation_items(cfg, actor, dev, gen_rows, prompt, seq, d)
         phases.append(gen)
     by_role = {m.role: m for m in models}
     forwards = []
@@ -506,12 +516,7 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
              f"token)", f"every answer {answer} tokens long"]
     batches = cfg.ppo.generation_batches if algo == "ppo" else 1
     if generates:
-        prefill = _forward_flops(actor, gen_rows * prompt, prompt) / (dev.flops * FORWARD_MFU)
-        kv_mean = kv_cache_bytes(actor.shape, gen_rows, prompt + answer // 2, d)
-        step_bytes = actor.params * d + kv_mean
-        step_flops = _forward_flops(actor, gen_rows, prompt + answer // 2)
-        decode = answer * max(step_bytes / (dev.bandwidth * DECODE_BANDWIDTH), step_flops / (dev.flops * FORWARD_MFU))
-        parts["generate"] = batches * (prefill + decode)
+        parts["generate"] = batches * generation_seconds(actor, gen_rows, prompt, answer, d, dev)
     if generates:
         fwd = sum(_forward_flops(by_role[r], n * seq, seq) for r, n in spec.experience_forwards(cfg) if r in by_role)
     else:  # offline pairs: the reference's log-probs, computed once per pair (the evaluation's forwards aside)
@@ -528,6 +533,8 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
     steps = _steps(cfg, rows, 3, prompts_per_update)
     tokens = batches * gen_rows * seq if generates else rows_trained * seq
     tp = Throughput(flops, seconds, steps, parts, int(tokens), notes)
+    if cfg.rollouts.enabled and generates:
+        tp.rollouts = _rollouts(cfg, actor, dev, ranks, gen_rows, batches, parts, seconds)
     settings = {"dtype": dname, "micro_batch": b, "seq_len": seq, "algo": algo, "generation_rows": gen_rows,
                 "sampled_per_prompt": spec.sampled_per_prompt(cfg),
                 "prompt_len": prompt, "answer_len": answer, "actor_zero_stage": actor_z, "critic_zero_stage": critic_z,
@@ -535,26 +542,110 @@ def _stage3(cfg: Any, ranks: int, dev: GPU, rows: int | None, whole: bool) -> An
     return models, phases, tp, settings
 
 
-def samples_through_graphs(cfg: Any, actor: ModelPlan, dev: GPU) -> bool:
+def samples_through_graphs(cfg: Any, actor: ModelPlan, dev: GPU, *, sampler: bool = False) -> bool:
     """Whether stage 3's actor samples through captured CUDA graphs (docs/generation.md): ``--generation-backend
     graph``, or ``auto`` for a Llama-architecture actor without LoRA; never on a CPU or with DeepSpeed's hybrid
-    engine. The plan does not model vLLM, which ``auto`` takes where it is installed."""
+    engine. The plan does not model vLLM, which ``auto`` takes where it is installed. ``sampler``: a sampler's
+    copy (``dschat sampler``: the plain model with LoRA merged, no hybrid engine)."""
     name = cfg.rl.generation_backend
-    if dev.host or cfg.rl.enable_hybrid_engine:
+    if dev.host or (cfg.rl.enable_hybrid_engine and not sampler):
         return False
     if name == "graph":
         return True
     return (name == "auto" and actor.shape.model_type in GRAPH_MODEL_TYPES
-            and not cfg.lora_of("actor").lora_dim)
+            and (sampler or not cfg.lora_of("actor").lora_dim))
 
 
-def samples_through_lean(cfg: Any, actor: ModelPlan, dev: GPU) -> bool:
+def samples_through_lean(cfg: Any, actor: ModelPlan, dev: GPU, *, sampler: bool = False) -> bool:
     """Whether stage 3's actor samples through dschat's own decoder on a GPU (the graph step, or
     ``--generation-backend dschat`` or ``compiled`` for a Llama-architecture actor), which stacks each layer's
     q/k/v and gate/up weights for the call."""
-    if dev.host or cfg.rl.enable_hybrid_engine or actor.shape.model_type not in GRAPH_MODEL_TYPES:
+    if dev.host or (cfg.rl.enable_hybrid_engine and not sampler) or actor.shape.model_type not in GRAPH_MODEL_TYPES:
         return False
-    return samples_through_graphs(cfg, actor, dev) or cfg.rl.generation_backend in ("dschat", "compiled")
+    return samples_through_graphs(cfg, actor, dev, sampler=sampler) or \
+        cfg.rl.generation_backend in ("dschat", "compiled")
+
+
+def generation_items(cfg: Any, actor: ModelPlan, dev: GPU, rows: int, prompt: int, seq: int, d: int, *,
+                     sampler: bool = False) -> list[tuple[str, str, int]]:
+    """A generation call's transient bytes over ``rows`` rows beside the weights: the decoder's stacked weights,
+    the KV cache (or the CUDA-graph capture), the prefill's working set."""
+    items: list[tuple[str, str, int]] = []
+    if samples_through_lean(cfg, actor, dev, sampler=sampler) and \
+            (stacked := stacked_weight_bytes(actor.shape, d)) <= FUSE_COPY_BYTES:
+        items.append(("actor", "q/k/v and gate/up weights stacked", stacked))
+    if samples_through_graphs(cfg, actor, dev, sampler=sampler):
+        items += graph_captures(actor.shape, rows, seq, d)
+    else:
+        items.append(("actor", f"KV cache {rows} x {seq} tokens", kv_cache_bytes(actor.shape, rows, seq, d)))
+    items.append(("actor", "prefill", inference_activations(actor.shape, rows, prompt, d, out_tokens=rows)))
+    return items
+
+
+def generation_seconds(actor: ModelPlan, rows: int, prompt: int, answer: int, d: int, dev: GPU) -> float:
+    """One generation call of ``rows`` rows on ``dev``: the prefill at ``FORWARD_MFU``, then ``answer`` decode
+    steps, each reading the weights and the KV cache (its mean over the answer) at ``DECODE_BANDWIDTH`` of the
+    device's bandwidth, or compute-bound where that is slower."""
+    prefill = _forward_flops(actor, rows * prompt, prompt) / (dev.flops * FORWARD_MFU)
+    kv_mean = kv_cache_bytes(actor.shape, rows, prompt + answer // 2, d)
+    step_bytes = actor.params * d + kv_mean
+    step_flops = _forward_flops(actor, rows, prompt + answer // 2)
+    decode = answer * max(step_bytes / (dev.bandwidth * DECODE_BANDWIDTH), step_flops / (dev.flops * FORWARD_MFU))
+    return prefill + decode
+
+
+def _rollouts(cfg: Any, actor: ModelPlan, dev: GPU, ranks: int, gen_rows: int, calls: int, parts: dict[str, float],
+              without: float) -> RolloutsPlan:
+    """Asynchronous rollouts (``dschat.planning.rollouts``): the sampler's device and memory, each side's seconds
+    per update from this plan's model, and the split of the ``ranks`` devices."""
+    from dschat.rlhf.config import check_async, sampler_devices
+
+    check_async(cfg)
+    a = cfg.rollouts
+    notes: list[str] = []
+    index = None
+    if a.sampler:  # started apart: its device is not in the flags
+        where, sdev = f"at {a.sampler}", dev
+        notes.append(f"a sampler started apart on one {dev.name}")
+    else:
+        device, _ = sampler_devices(a.sampler_devices)
+        where = f"on {a.sampler_devices}"
+        if device == "cpu":
+            sdev = GPUS["cpu"]
+        else:
+            index = int(device.partition(":")[2])
+            sdev = GPUS[DEFAULT_GPU.lower()] if dev.host else dev
+            if dev.host:
+                notes.append(f"{device} planned as the default {sdev.name}")
+    sd, sname = _dtype_bytes(cfg.model.dtype, sdev)
+    merged = actor.shape.params("lm")  # the sampler's copy and the update: LoRA merged
+    copy = dataclasses.replace(actor, params=merged)
+    prompt, answer = cfg.data.max_prompt_seq_len, cfg.rl.max_answer_seq_len
+    rows = gen_rows * ranks  # one request holds every training rank's rows
+    items = [("actor weights whole", merged * sd)]
+    transient = [(w, b) for _, w, b in generation_items(cfg, copy, sdev, rows, prompt, prompt + answer, sd,
+                                                        sampler=True)]
+    items += transient + sdev.reserve_items(1)
+    if not sdev.host:
+        items.append(("allocator", math.ceil(ALLOCATOR_SLACK * sum(b for _, b in transient))))
+    d = _dtype_bytes(cfg.model.dtype, dev)[0]  # the trainer's weights, as the update carries them
+    experience, train = parts["experience"], parts["train"]
+    plan = RolloutsPlan(where, sdev.name, sname, a.max_staleness, rows, calls,
+                        calls * generation_seconds(copy, rows, prompt, answer, sd, sdev), experience, train,
+                        merged * d, without, items, sdev.memory, ranks, device_index=index, notes=notes)
+
+    def sampling(s: int) -> float:  # s devices of the run's kind, each sampling its share of the rows
+        return calls * generation_seconds(copy, -(-rows // s), prompt, answer, d, dev) + plan.update_seconds
+
+    def training(t: int) -> float:  # data parallel over t ranks, the global batch kept
+        return (experience + train) * ranks / t + plan.update_seconds
+
+    plan.splits = [] if dev.host else balance(ranks, sampling, training)  # CPU ranks share the host's cores
+    if index is None and not a.sampler and dev.host:
+        plan.shares = "the host's cores with the training ranks"
+    plan.notes.append("the snapshot's float64 checksum on the host, ZeRO-3's gathers for it and the probe's forward "
+                      "not counted")
+    return plan
 
 
 def graph_captures(shape: ModelShape, gen_rows: int, seq: int, d: int) -> list[tuple[str, str, int]]:
@@ -652,6 +743,35 @@ def _suggest(step: int, values: dict[str, Any], num_gpus: int, nodes: int, memor
                 return _describe(flags, base), flags
     return ("nothing tried fits (gradient checkpointing, micro-batch 1, ZeRO-3, offload, LoRA, up to "
             f"{MAX_NODES} nodes of {MAX_GPUS_PER_NODE} GPUs); use larger GPUs or a smaller model"), {}
+
+
+def _move_sampler(values: dict[str, Any], num_gpus: int, nodes: int, memory: int, dev: GPU,
+                  reserve: int) -> tuple[str, dict[str, Any]]:
+    """A sampler on a training rank's GPU that does not fit beside it: the next GPU of the node, else one GPU
+    taken from the training ranks, else the CPU (the first of them that fits)."""
+    options: list[dict[str, Any]] = []
+    if num_gpus < MAX_GPUS_PER_NODE:
+        options.append({"sampler_devices": f"cuda:{num_gpus}"})
+    if num_gpus > 1:
+        options.append({"num_gpus": num_gpus - 1, "sampler_devices": f"cuda:{num_gpus - 1}"})
+    options.append({"sampler_devices": "cpu"})
+    for change in options:
+        flags = {k: v for k, v in change.items() if k != "num_gpus"}
+        try:
+            plan = make_plan(3, {**values, **flags}, num_gpus=change.get("num_gpus", num_gpus), nodes=nodes,
+                             gpu_memory=memory, gpu=dev.name, reserve_bytes=reserve, suggest=False)
+        except UserError:
+            continue
+        if plan.fits:
+            return _describe(change, {}) + " (a device of its own for the sampler)", change
+    own = options[0] if "num_gpus" not in options[0] else {"sampler_devices": "cpu"}
+    text, flags = _suggest(3, {**values, **own}, num_gpus, nodes, memory, dev, reserve)
+    if not flags:
+        return text, {}
+    from dschat.config import build_config, to_flat_dict
+
+    change = {**own, **flags}
+    return _describe(change, to_flat_dict(build_config(config_class(3), values))), change
 
 
 def _describe(change: dict[str, Any], base: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ from dschat.errors import UserError
 from dschat.generation.decode import Generated, GenerationConfig, Prompts
 from dschat.generation.sampler import Answer, SamplerClient, SamplerLost
 from dschat.generation.weight_link import take_snapshot
+from dschat.rlhf.rollout import episode_rows
 
 
 class Lockstep:
@@ -87,24 +88,25 @@ class Lockstep:
 @dataclass(frozen=True)
 class Call:
     """One sampling call of a prompt batch: each prompt ``copies`` times in a row, sampled with ``settings`` (a
-    ``GenerationConfig``'s fields but ``logprobs``, which the sampler always computes)."""
+    ``GenerationConfig``'s fields but ``logprobs``, which the sampler always computes), as episodes or not."""
 
     copies: int
     settings: tuple[tuple[str, Any], ...]
+    episodes: bool = False
 
     @staticmethod
-    def of(config: GenerationConfig, copies: int) -> Call:
-        return Call(copies, tuple((k, v) for k, v in asdict(config).items() if k != "logprobs"))
+    def of(config: GenerationConfig, copies: int, episodes: bool) -> Call:
+        return Call(copies, tuple((k, v) for k, v in asdict(config).items() if k != "logprobs"), episodes)
 
     def config(self) -> GenerationConfig:
         return GenerationConfig(**dict(self.settings))
 
     def to_json(self) -> list[Any]:
-        return [self.copies, dict(self.settings)]
+        return [self.copies, dict(self.settings), self.episodes]
 
     @staticmethod
     def from_json(data: list[Any]) -> Call:
-        return Call(int(data[0]), tuple(data[1].items()))
+        return Call(int(data[0]), tuple(data[1].items()), bool(data[2]))
 
 
 @dataclass
@@ -148,8 +150,9 @@ class AsyncRollouts:
 
     def __init__(self, hybrid: Any, client: SamplerClient | None, max_staleness: int, version: int,
                  state: dict[str, Any], tensors: dict[str, torch.Tensor], timeout_s: float,
-                 process: subprocess.Popen | None = None, where: str = ""):
+                 process: subprocess.Popen | None = None, where: str = "", tokenizer: Any = None):
         self.hybrid, self.client, self.K, self.version = hybrid, client, max_staleness, version
+        self.tokenizer = tokenizer  # episodes sampled ahead: their rows are made from the batch as the rollout does
         self.timeout_s, self.process, self.where = timeout_s, process, where
         self.engine = self
         self.behaviour = "async" if max_staleness > 0 else hybrid.behaviour
@@ -221,7 +224,9 @@ class AsyncRollouts:
             for j, call in enumerate(self.pattern):
                 ids = rows["prompt"].repeat_interleave(call.copies, 0)
                 mask = rows["prompt_att_mask"].repeat_interleave(call.copies, 0)
-                self.tickets[(x, j)] = self._submit(x, j, call, ids, mask, self._seed(), None)
+                data = [r for r in episode_rows(self.tokenizer, rows) for _ in range(call.copies)] \
+                    if call.episodes else None
+                self.tickets[(x, j)] = self._submit(x, j, call, ids, mask, self._seed(), None, data=data)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -247,13 +252,12 @@ class AsyncRollouts:
         if not self.in_step or generator_seed is not None or self.current is None:
             return self.hybrid.sample(prompt, prompt_mask, config, generator_seed, episodes=episodes,
                                       on_token=on_token)
-        if episodes is not None or on_token is not None:
-            raise UserError("asynchronous rollouts sample plain answers: episodes with tools or environments "
-                            "(--tools, --env) run in lockstep; drop --async-rollouts or --sampler")
+        if on_token is not None:
+            raise UserError("asynchronous rollouts do not stream tokens")
         t0 = time.time()
         b, batch = self.current
         j, self.calls = self.calls, self.calls + 1
-        call = self._call_of(prompt, prompt_mask, batch, config)
+        call = self._call_of(prompt, prompt_mask, batch, config, episodes is not None)
         self.recording.append(call)
         ticket = self.tickets.pop((b, j), None)
         if ticket is not None and ticket.call != call:
@@ -263,7 +267,8 @@ class AsyncRollouts:
             if ticket is None:  # asked for now: K = 0 carries the trainer's RNG state, as if it sampled itself
                 exact = self.K == 0 and E.world_size() == 1
                 ticket = self._submit(b, j, call, prompt, prompt_mask, None if exact else self._seed(),
-                                      torch.get_rng_state() if exact else None, config)
+                                      torch.get_rng_state() if exact else None, config,
+                                      None if episodes is None else list(episodes.rows))
             answer = self._collect(ticket)
             if self.version - answer.version <= self.K:
                 break
@@ -274,9 +279,13 @@ class AsyncRollouts:
         self.lags.extend([self.version - answer.version] * answer.sequences.shape[0])
         self.sampler_s += answer.seconds
         self.last_generate_seconds = time.time() - t0
+        if episodes is not None:
+            assert answer.episodes is not None
+            episodes.adopt(answer.episodes)
         return self._generated(answer, config, prompt.device)
 
-    def _call_of(self, prompt: torch.Tensor, mask: torch.Tensor, batch: Any, config: GenerationConfig) -> Call | None:
+    def _call_of(self, prompt: torch.Tensor, mask: torch.Tensor, batch: Any, config: GenerationConfig,
+                 episodes: bool) -> Call | None:
         """The call as a pattern entry: its prompts are each of the batch's ``copies`` times in a row (else None)."""
         rows = batch["prompt"]
         if prompt.shape[0] % rows.shape[0] or prompt.shape[1] != rows.shape[1]:
@@ -284,33 +293,38 @@ class AsyncRollouts:
         copies = prompt.shape[0] // rows.shape[0]
         same = torch.equal(prompt.cpu(), rows.repeat_interleave(copies, 0).cpu()) and \
             torch.equal(mask.cpu().long(), batch["prompt_att_mask"].repeat_interleave(copies, 0).cpu().long())
-        return Call.of(config, copies) if same else None
+        return Call.of(config, copies, episodes) if same else None
 
     def _generated(self, answer: Answer, config: GenerationConfig, device: torch.device) -> Generated:
         seqs, logps = answer.sequences.to(device), answer.logprobs.to(device)
+        masks = {"policy_mask": None if answer.policy_mask is None else answer.policy_mask.to(device),
+                 "real_mask": None if answer.real_mask is None else answer.real_mask.to(device)}
         if self.K > 0 or answer.engine:  # the behaviour policy's, for the correction: the trainer takes its own
-            return Generated(seqs, None, engine_logprobs=logps)
+            return Generated(seqs, None, engine_logprobs=logps, **masks)
         fp32 = next(self.hybrid.module.parameters()).dtype == torch.float32  # as the hybrid engine keeps them
-        return Generated(seqs, logps if config.logprobs and fp32 else None)
+        return Generated(seqs, logps if config.logprobs and fp32 else None, **masks)
 
     def _seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,)).item())
 
     def _submit(self, batch: int, index: int, call: Call | None, ids: torch.Tensor, mask: torch.Tensor,
-                seed: int | None, rng_state: torch.Tensor | None, config: GenerationConfig | None = None) -> Ticket:
-        """Ask for one call's answers; every trainer rank calls it (the first sends all ranks' prompts)."""
+                seed: int | None, rng_state: torch.Tensor | None, config: GenerationConfig | None = None,
+                data: list[dict[str, Any]] | None = None) -> Ticket:
+        """Ask for one call's answers (``data``: each prompt's row, for episodes); every trainer rank calls it (the
+        first sends all ranks' prompts)."""
         ids, mask = ids.detach().cpu().long(), mask.detach().cpu().long()
-        parts = E.gather_objects((ids, mask)) if E.world_size() > 1 else [(ids, mask)]
+        parts = E.gather_objects((ids, mask, data)) if E.world_size() > 1 else [(ids, mask, data)]
         rows, widths = [p[0].shape[0] for p in parts], [p[0].shape[1] for p in parts]
         ticket = Ticket(batch, index, call, seed, rows, widths)
         if self.client is not None:
             W = max(widths)
             pad = self.hybrid.pad_token_id
-            all_ids = torch.cat([torch.nn.functional.pad(i, (W - i.shape[1], 0), value=pad) for i, _ in parts])
-            all_mask = torch.cat([torch.nn.functional.pad(m, (W - m.shape[1], 0), value=0) for _, m in parts])
+            all_ids = torch.cat([torch.nn.functional.pad(i, (W - i.shape[1], 0), value=pad) for i, _, _ in parts])
+            all_mask = torch.cat([torch.nn.functional.pad(m, (W - m.shape[1], 0), value=0) for _, m, _ in parts])
+            all_data = None if data is None else [r for _, _, d in parts for r in d]
             settings = config if config is not None else call.config()  # type: ignore[union-attr]
             ticket.future = self.client.sample(Prompts(all_ids, all_mask, self.hybrid.eos_token_id, pad),
-                                               replace_logprobs(settings), seed, rng_state)
+                                               replace_logprobs(settings), seed, rng_state, all_data)
         return ticket
 
     def _wait(self, future: Future) -> Answer:
@@ -331,20 +345,31 @@ class AsyncRollouts:
                 payload: Any = None
                 if self.client is not None:
                     try:
-                        a = self._wait(ticket.future)  # type: ignore[arg-type]
-                        payload = (a.sequences, a.logprobs, a.engine, a.version, a.seconds)
+                        payload = self._wait(ticket.future)  # type: ignore[arg-type]
                     except (SamplerLost, UserError) as e:
                         payload = str(e)
                 payload = E.broadcast_object(payload)
                 if isinstance(payload, str):
                     raise SamplerLost(payload)
-                ticket.answer = Answer(*payload)
+                ticket.answer = payload
             if count:
                 self.wait_s += time.time() - t0
         a, r = ticket.answer, E.rank() if E.world_size() > 1 else 0
+        if len(ticket.rows) == 1:
+            return a
         start, W = sum(ticket.rows[:r]), max(ticket.widths)
         rows = slice(start, start + ticket.rows[r])
-        return dataclasses.replace(a, sequences=a.sequences[rows, W - ticket.widths[r]:], logprobs=a.logprobs[rows])
+        record = None
+        if a.episodes is not None:  # this rank's rows of the lists, and of the counts all of them (ranks sum them)
+            record = {"finished": a.episodes["finished"][rows],
+                      "info": {k: v[rows] for k, v in a.episodes["info"].items()}, "counts": a.episodes["counts"]}
+            if r:
+                record["counts"] = {**record["counts"], **{k: 0 for k in record["counts"] if k != "kinds"},
+                                    "kinds": {}}
+        return dataclasses.replace(a, sequences=a.sequences[rows, W - ticket.widths[r]:], logprobs=a.logprobs[rows],
+                                   policy_mask=None if a.policy_mask is None else a.policy_mask[rows],
+                                   real_mask=None if a.real_mask is None else a.real_mask[rows], episodes=record,
+                                   rng_state=None)
 
     def _drop(self, ticket: Ticket) -> None:
         if ticket.future is not None:
@@ -400,9 +425,11 @@ class AsyncRollouts:
             n = len(entries)
             entries.append({"batch": b, "index": j, "call": None if t.call is None else t.call.to_json(),
                             "seed": t.seed, "rows": t.rows, "widths": t.widths, "version": a.version,
-                            "engine": a.engine, "seconds": a.seconds})
+                            "engine": a.engine, "seconds": a.seconds, "episodes": a.episodes})
             tensors[f"async.{n}.sequences"] = a.sequences
             tensors[f"async.{n}.logprobs"] = a.logprobs
+            if a.policy_mask is not None and a.real_mask is not None:
+                tensors[f"async.{n}.masks"] = torch.stack([a.policy_mask, a.real_mask])
         fields = {"pattern": None if self.pattern is None else [c.to_json() for c in self.pattern],
                   "recording": [None if c is None else c.to_json() for c in self.recording],
                   "fewest": self.fewest, "answers": entries}
@@ -418,8 +445,10 @@ class AsyncRollouts:
         for n, e in enumerate(saved["answers"]):
             if len(e["rows"]) != world:  # saved by another number of ranks: asked for again
                 continue
+            masks = tensors.get(f"async.{n}.masks")
             answer = Answer(tensors[f"async.{n}.sequences"], tensors[f"async.{n}.logprobs"], bool(e["engine"]),
-                            int(e["version"]), float(e["seconds"]))
+                            int(e["version"]), float(e["seconds"]), None, None if masks is None else masks[0],
+                            None if masks is None else masks[1], e.get("episodes"))
             call = None if e["call"] is None else Call.from_json(e["call"])
             self.tickets[(e["batch"], e["index"])] = Ticket(e["batch"], e["index"], call, e["seed"], e["rows"],
                                                             e["widths"], None, answer)
@@ -444,8 +473,8 @@ def replace_logprobs(config: GenerationConfig) -> GenerationConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
-def make_rollouts(cfg: Any, hybrid: Any, step: int, state: dict[str, Any], tensors: dict[str, torch.Tensor],
-                  log: Any) -> Lockstep | AsyncRollouts:
+def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[str, Any],
+                  tensors: dict[str, torch.Tensor], log: Any) -> Lockstep | AsyncRollouts:
     """Lockstep sampling, or asynchronous rollouts from a sampler this run starts (``--async-rollouts``) or one
     started apart (``--sampler``), linked to the trainer's first rank, from the trainer's weights of ``step``."""
     a = cfg.rollouts
@@ -474,7 +503,10 @@ def make_rollouts(cfg: Any, hybrid: Any, step: int, state: dict[str, Any], tenso
 
             raise SamplerLost(f"the sampler at {host}:{port} did not take the link: {first_line(e)}") from None
         client = SamplerClient(link)
-    return AsyncRollouts(hybrid, client, a.max_staleness, step, state, tensors, a.sampler_timeout, process, where)
+        if hybrid.agent is not None:  # the run's tools and environments, loaded on the sampler's side too
+            client.agent(asdict(cfg.agent)).result()
+    return AsyncRollouts(hybrid, client, a.max_staleness, step, state, tensors, a.sampler_timeout, process, where,
+                         tokenizer)
 
 
 def free_port() -> int:

@@ -67,7 +67,7 @@ class Rollout:
 
 
 def make_episode_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, out: Generated, episodes: Any,
-                         pad_token_id: int, min_answer_len: int = 2) -> tuple[Rollout, int]:
+                         pad_token_id: int, min_answer_len: int = 2, behaviour: str = "vllm") -> tuple[Rollout, int]:
     """The rollout of a batch of episodes (``dschat.agents.episode``): the action mask holds the policy's own
     tokens alone, the attention mask every token fed (tool results and observations too, as context), and the
     columns of a row waiting on a tool or past its end are padding outside both. An episode whose policy wrote
@@ -81,9 +81,10 @@ def make_episode_rollout(prompt: torch.Tensor, prompt_mask: torch.Tensor, out: G
     action_mask[short] = 0
     answer = out.sequences[:, P:].masked_fill(~real, pad_token_id)
     logprobs = None if out.logprobs is None else out.logprobs.float().masked_fill(action_mask == 0, 0.0)
+    engine = None if out.engine_logprobs is None else out.engine_logprobs.float().masked_fill(action_mask == 0, 0.0)
     reached = torch.tensor(episodes.finished(), dtype=torch.bool, device=prompt.device)
     rollout = Rollout(torch.cat([prompt, answer], dim=1), torch.cat([prompt_mask.long(), real.long()], dim=1),
-                      action_mask, P, reached, logprobs, None, episodes.info(answer, real))
+                      action_mask, P, reached, logprobs, engine, episodes.info(answer, real), behaviour)
     return rollout, int(short.sum())
 
 
@@ -291,7 +292,8 @@ def generate_rollout(hybrid: HybridEngine, tokenizer: Any, batch: dict[str, Any]
             out = hybrid.sample(p, m, gen, generator_seed=seed, episodes=episodes)
             assert out.real_mask is not None and out.policy_mask is not None
             agent.counts += episodes.counts(out.real_mask, out.policy_mask)
-            return make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len)
+            return make_episode_rollout(p, m, out, episodes, tokenizer.pad_token_id, min_answer_len,
+                                        getattr(hybrid, "behaviour", "vllm"))
         out = hybrid.sample(p, m, gen, generator_seed=seed)
         return make_rollout(p, m, out.sequences, tokenizer.eos_token_id, tokenizer.pad_token_id,
                             min_answer_len=min_answer_len, logprobs=out.logprobs, engine_logprobs=out.engine_logprobs,

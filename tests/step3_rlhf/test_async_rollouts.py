@@ -247,3 +247,27 @@ def test_flags_of_asynchronous_rollouts_refused_where_they_do_nothing():
     cfg = build_config(RLHFConfig, {"algo": "grpo", "actor_model": "tiny", "async_rollouts": True,
                                     "vllm_importance_sampling": "sequence"})
     refuse_inert(cfg, {"async_rollouts", "vllm_importance_sampling"})  # the decoupled loss weighs by them
+
+
+ENV = ("class Forever:\n    def reset(self, row):\n        return 'start'\n"
+       "    def step(self, text):\n        return 'more', float(len(text) % 3), False\n")
+
+
+@pytest.mark.slow
+def test_episodes_run_in_the_sampler_with_tools_and_environments(tmp_path):
+    # the calculator runs in the process that samples: K = 0 is still the lockstep run, episode counts and all
+    tools = {"tools": ["calculator"], "max_turns": 2, "max_answer_seq_len": 24}
+    run(cfg_of(tmp_path / "lockstep", max_steps=2, **tools))
+    run(cfg_of(tmp_path / "k0", max_steps=2, async_rollouts=True, max_staleness=0, **tools))
+    want, got = figures(tmp_path / "lockstep"), figures(tmp_path / "k0")
+    assert got == want and any("episode/turns" in r for r in got)
+    # an environment (in the sampler's worker processes) answers each turn; its reward comes back with the answers
+    env = tmp_path / "forever_env.py"
+    env.write_text(ENV)
+    out = tmp_path / "env"
+    run(cfg_of(out, max_steps=3, async_rollouts=True, max_staleness=1, env=[f"{env}:Forever"], max_turns=3,
+               reward_funcs=["env"], max_answer_seq_len=48))
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "async/lag_max" in r]
+    assert len(rows) == 3 and rows[-1]["async/lag_max"] == 1 and all(r["async/lag_max"] <= 1 for r in rows)
+    assert all(r["episode/masked_token_frac"] > 0 for r in rows)  # the environment's 'start', fed as context
+    assert "train/reward/env" in rows[0]
