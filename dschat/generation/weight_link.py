@@ -102,12 +102,13 @@ def take_snapshot(module: torch.nn.Module, keeping: bool = True, bucket_bytes: i
     if not keeping:  # the walk alone: its gathers are collective
         for _ in weights:
             pass
-    else:
-        for bucket in _buckets(weights, bucket_bytes, torch.device("cpu")):
+    else:  # each bucket laid out and summed where the weights are (a GPU's speed), then copied to the CPU
+        device = next(module.parameters()).device
+        for bucket in _buckets(weights, bucket_bytes, device):
             flat = torch.cat([t.reshape(-1) for _, t in bucket])
             buckets.append(({"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
                              "dtype": str(flat.dtype), "numel": flat.numel(),
-                             "checksum": checksum(flat).tolist()}, flat))
+                             "checksum": checksum(flat).tolist()}, flat.cpu()))
     probe = probe_logprobs(module)
     if not keeping:
         return None
