@@ -4,13 +4,13 @@ on GPUs), never through a file, and checked before the sampler uses them.
 The trainer walks its weights under their Hugging Face names (``vllm_engine.policy_weights``: ZeRO-3 parameters
 gathered one at a time, which every trainer rank must walk, LoRA merged); its first rank copies them into a
 snapshot on the CPU (``take_snapshot``: the trainer trains on while it travels) and sends that in buckets
-(``send_snapshot``): tensors of one dtype laid end to end up to ``BUCKET_BYTES``, each preceded by a JSON header (names,
-shapes, dtype, element count, a float64 checksum: count, sum, sum of squares). The sampler receives each bucket,
-checks its checksum, and copies its tensors into its own module. The last header carries the update's version and
-the probe: the trainer's log-probs of a fixed token sequence, which the sampler computes again with what it
-received. Either check failing stops both sides with one line (``WeightLinkError``): the sampler tells the trainer
-its verdict, so a bad update never samples. What an update measured is returned as ``sync/seconds`` and
-``sync/bytes``.
+(``send_snapshot``): tensors of one dtype laid end to end up to ``BUCKET_BYTES``, each preceded by a JSON header
+(names, shapes, dtype, element count, a checksum: count, sum and sum of squares of the elements read as integers,
+exact on any device). The sampler receives each bucket, checks its checksum, and copies its tensors into its own
+module. The last header carries the update's version and the probe: the trainer's log-probs of a fixed token
+sequence, which the sampler computes again with what it received. Either check failing stops both sides with one
+line (``WeightLinkError``): the sampler tells the trainer its verdict, so a bad update never samples. What an update
+measured is returned as ``sync/seconds`` and ``sync/bytes``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dschat.errors import UserError
-from dschat.generation.vllm_engine import checksum, policy_weights
+from dschat.generation.vllm_engine import policy_weights
 
 BUCKET_BYTES = 32 << 20
 PROBE_LENGTH = 24
@@ -43,20 +43,42 @@ class WeightLinkError(UserError):
 
 
 def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int,
-             device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors of one dtype, up to ``limit`` bytes together (a larger tensor is a bucket alone), each
-    copied to ``device`` as it comes: a ZeRO-3 parameter is whole only while its gather lasts."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+             device: torch.device) -> Iterator[tuple[list[tuple[str, list[int]]], torch.Tensor]]:
+    """Consecutive tensors of one dtype laid end to end in one flat buffer on ``device``, up to ``limit`` bytes
+    (a larger tensor is a bucket alone): each copied in once as it comes (a ZeRO-3 parameter is whole only while
+    its gather lasts). Yields the bucket's names and shapes, and its flat buffer."""
+    names: list[tuple[str, list[int]]] = []
+    flat: torch.Tensor | None = None
+    at = 0
     for name, t in items:
-        t = t.detach().to(device, copy=True)
-        if bucket and (t.dtype != bucket[0][1].dtype or size + t.numel() * t.element_size() > limit):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+        t = t.detach()
+        n = t.numel()
+        if flat is not None and (t.dtype != flat.dtype or (at + n) * flat.element_size() > limit):
+            yield names, flat[:at]
+            names, flat, at = [], None, 0
+        if flat is None:
+            flat = torch.empty(max(n, limit // t.element_size()), dtype=t.dtype, device=device)
+        flat[at:at + n].copy_(t.reshape(-1))
+        names.append((name, list(t.shape)))
+        at += n
+    if flat is not None:
+        yield names, flat[:at]
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bucket_checksum(flat: torch.Tensor) -> list[int]:
+    """Count, sum and sum of squares of the bucket's elements read as integers of their width, in int64 (wrapping):
+    integer sums do not depend on the order they are added in, so the trainer's figure (on its GPU) and the
+    sampler's (on its GPU or CPU) are equal exactly when every bit arrived. Chunked, so the int64 copies stay small."""
+    ints = flat.detach().reshape(-1).view(_INTS[flat.element_size()])
+    out = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for chunk in ints.split(1 << 18):
+        c = chunk.long()
+        out[0] += c.sum()
+        out[1] += (c * c).sum()
+    return [ints.numel(), *out.tolist()]
 
 
 def probe_ids(vocab: int) -> torch.Tensor:
@@ -104,11 +126,10 @@ def take_snapshot(module: torch.nn.Module, keeping: bool = True, bucket_bytes: i
             pass
     else:  # each bucket laid out and summed where the weights are (a GPU's speed), then copied to the CPU
         device = next(module.parameters()).device
-        for bucket in _buckets(weights, bucket_bytes, device):
-            flat = torch.cat([t.reshape(-1) for _, t in bucket])
-            buckets.append(({"names": [n for n, _ in bucket], "shapes": [list(t.shape) for _, t in bucket],
+        for names, flat in _buckets(weights, bucket_bytes, device):
+            buckets.append(({"names": [n for n, _ in names], "shapes": [s for _, s in names],
                              "dtype": str(flat.dtype), "numel": flat.numel(),
-                             "checksum": checksum(flat).tolist()}, flat.cpu()))
+                             "checksum": bucket_checksum(flat)}, flat.cpu()))
     probe = probe_logprobs(module)
     if not keeping:
         return None
@@ -158,7 +179,7 @@ def receive_weights(link: Any, module: torch.nn.Module, tolerance: float = PROBE
         link.broadcast(flat)
         if problem:
             continue  # already failed: drain the rest so the trainer is not left waiting
-        got = checksum(flat).tolist()
+        got = bucket_checksum(flat)
         if got != head["checksum"]:
             problem = (f"the bucket holding {head['names'][0]} arrived damaged (checksum {got} where the trainer "
                        f"sent {head['checksum']})")
