@@ -203,7 +203,8 @@ class Link:
     take part, and each job's own world group is untouched. One member hosts the rendezvous (a TCP store); every call
     waits at most ``timeout_s`` for the others, then raises. Objects cross as JSON, never pickled: a peer is
     another process. ``hosts``: this member listens at ``host:port`` (default: rank 0); the others connect there.
-    ``cuda``: this member's tensors are on its GPU; the link is NCCL when every member's are, else gloo.
+    ``cuda``: this member's tensors are on its GPU; the link is NCCL when every member is on a GPU of its own, else
+    gloo (its ``device`` is then the CPU).
     Like torch.distributed's own rendezvous, the link has no authentication: listen on a private network."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, cuda: bool = False,
@@ -215,9 +216,11 @@ class Link:
         self.store = dist.TCPStore(host, port, size, rank == 0 if hosts is None else hosts, timeout=wait,
                                    wait_for_workers=True)
         prefixed = dist.PrefixStore("dschat-link", self.store)
-        # NCCL only where every member is on a GPU (a CPU sampler beside a GPU trainer links over gloo)
-        prefixed.set(f"cuda/{rank}", "1" if cuda else "0")
-        cuda = all(prefixed.get(f"cuda/{r}") == b"1" for r in range(size))
+        # NCCL only where every member is on a GPU of its own (a CPU sampler beside a GPU trainer, or both sharing
+        # one GPU, link over gloo)
+        prefixed.set(f"cuda/{rank}", _gpu_identity() if cuda else "")
+        gpus = [prefixed.get(f"cuda/{r}").decode() for r in range(size)]
+        cuda = all(gpus) and len(set(gpus)) == size
         if cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
@@ -243,6 +246,15 @@ class Link:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(buf, src)
         return obj if self.rank == src else json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+def _gpu_identity() -> str:
+    """This process's current GPU, the same string in every process that uses it (its UUID where torch reads one)."""
+    import socket
+
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}:{index}"
 
 
 @contextlib.contextmanager
