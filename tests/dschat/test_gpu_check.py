@@ -134,6 +134,8 @@ def test_smoke_from_the_carry_on_a_bare_python(carry: Path, bare: Path, tmp_path
     assert list(report["parts"]) == ["setup", "grpo", "stages", "ppo", "decode"]
     assert report["grpo"]["trl"] == {"skipped": "no pyarrow"}
     assert report["grpo"]["dschat"]["rc"] == 0 and report["grpo"]["dschat"]["step_s"] > 0
+    assert report["grpo"]["dschat_async"]["rc"] == 0 and report["grpo"]["dschat_async"]["step_s"] > 0
+    assert report["grpo"]["dschat_async"]["sampler_devices"] == "cpu" and report["grpo"]["lockstep_over_async"] > 0
     for stage in ("stage1", "stage2", "stage3_ppo"):
         row = report["stages"][stage]
         assert row["rc"] == 0 and row["steps"] == 2 and row["plan"]["rc"] == 0, stage
