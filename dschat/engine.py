@@ -199,12 +199,15 @@ def gather_objects(obj: Any) -> list[Any]:
 
 class Link:
     """A process group of its own between separate jobs (the trainer's first rank and the ranks of a sampler started
-    beside it or on another node), found by ``host:port``: gloo on the CPU, NCCL on CUDA. Only the link's members
-    take part, and each job's own world group is untouched. One member hosts the rendezvous (a TCP store); every call
-    waits at most ``timeout_s`` for the others, then raises. Objects cross as JSON, never pickled: a peer is
-    another process. ``hosts``: this member listens at ``host:port`` (default: rank 0); the others connect there.
-    ``cuda``: this member's tensors are on its GPU; the link is NCCL when every member is on a GPU of its own, else
-    gloo (its ``device`` is then the CPU).
+    beside it or on another node), found by ``host:port``. Only the link's members take part, and each job's own
+    world group is untouched. One member hosts the rendezvous (a TCP store); every call waits at most ``timeout_s``
+    for the others, then raises. Objects cross as JSON, never pickled: a peer is another process. ``hosts``: this
+    member listens at ``host:port`` (default: rank 0); the others connect there.
+
+    Messages (JSON, requests, answers) go over gloo on the CPU (``device``), whose waits block and time out, so a
+    peer gone or silent fails a message with an error. Bulk tensors (``broadcast(..., bulk=True)``: weight updates)
+    go over NCCL on the GPUs (``bulk_device``) where every member is on a GPU of its own (``cuda``: this member's
+    is), else over the same gloo group on the CPU (a CPU sampler beside a GPU trainer, or both sharing one GPU).
     Like torch.distributed's own rendezvous, the link has no authentication: listen on a private network."""
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, cuda: bool = False,
@@ -216,23 +219,25 @@ class Link:
         self.store = dist.TCPStore(host, port, size, rank == 0 if hosts is None else hosts, timeout=wait,
                                    wait_for_workers=True)
         prefixed = dist.PrefixStore("dschat-link", self.store)
-        # NCCL only where every member is on a GPU of its own (a CPU sampler beside a GPU trainer, or both sharing
-        # one GPU, link over gloo)
+        self.device = torch.device("cpu")
+        self.group: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), rank, size, wait)
         prefixed.set(f"cuda/{rank}", _gpu_identity() if cuda else "")
         gpus = [prefixed.get(f"cuda/{r}").decode() for r in range(size)]
-        cuda = all(gpus) and len(set(gpus)) == size
-        if cuda:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, size)
-        else:
-            self.device = torch.device("cpu")
-            self.group = dist.ProcessGroupGloo(prefixed, rank, size, wait)
+        self.bulk_device, self.bulk = self.device, self.group
+        if all(gpus) and len(set(gpus)) == size:
+            self.bulk_device = torch.device("cuda", torch.cuda.current_device())
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = wait
+            self.bulk = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", prefixed), rank, size, opts)
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """``t`` (on ``device``, the same shape and dtype on every member) from ``src`` to every member, in place."""
+    def broadcast(self, t: torch.Tensor, src: int = 0, bulk: bool = False) -> torch.Tensor:
+        """``t`` (on ``device``, or ``bulk_device`` with ``bulk``; the same shape and dtype on every member) from
+        ``src`` to every member, in place."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.group.broadcast([t], opts).wait()
+        (self.bulk if bulk else self.group).broadcast([t], opts).wait()
+        if bulk and t.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the transfer has landed before anyone reads or frees t
         return t
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:

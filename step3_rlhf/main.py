@@ -130,13 +130,17 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     dropped_total = state.get("dropped_short_answers", 0)
     tracker.advance(loop.step)
 
-    def fields(wait: bool = True) -> dict[str, Any]:  # what a state holds besides the engines
-        return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
-                "before": before, **rollouts.state(wait)[0]}
+    sampled_ahead: list[dict[str, torch.Tensor]] = []  # the answers' tensors of the state fields() just took
 
-    def tensors_now(wait: bool = True) -> dict[str, torch.Tensor]:
+    def fields(wait: bool = True) -> dict[str, Any]:  # what a state holds besides the engines
+        answers, answer_tensors = rollouts.state(wait)  # one look at the answers for both halves of a state
+        sampled_ahead[:] = [answer_tensors]
+        return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
+                "before": before, **answers}
+
+    def tensors_now(wait: bool = True) -> dict[str, torch.Tensor]:  # called right after fields(), for one state
         return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {}),
-                **rollouts.state(wait)[1]}
+                **(sampled_ahead.pop() if sampled_ahead else {})}
 
     # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved; the health
     # monitor watches each step's metrics and each evaluation and acts after the step (--on-alarm)

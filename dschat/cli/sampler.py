@@ -72,6 +72,8 @@ def sampler_command(model: str, listen: str, device: str, timeout: float, thread
     if threads:
         torch.set_num_threads(threads)
     dev = pick_device(device)
+    if dev.type == "cuda":  # the link, its NCCL communicator and any seeding are on the sampler's own GPU
+        torch.cuda.set_device(dev)
     path = resolve_saved_model(model)
     module = create_causal_lm(path, dtype=resolve_dtype(cfg.model.dtype, dev),
                               trust_remote_code=cfg.model.trust_remote_code).to(dev).eval()

@@ -14,8 +14,8 @@ trainer (SamplerClient, link rank 0)             sampler (SamplerServer, link ra
                                            ->      generate(...) through the one entry, from its copy
                                            <-      {"version", "shape", ...} + sequences + the log-probs of its
                                                    samples (+ the RNG state it ended with)
-  {"op": "ping"}                           ->      (nothing: sent while the trainer is idle a third of the
-                                                   timeout, so a long evaluation is not taken for a death)
+  {"op": "ping"}                           ->      (nothing: sent while the trainer is idle, every 10 s at most,
+                                                   so a long evaluation is not taken for a death)
   {"op": "stop"}                           ->      returns
 ```
 
@@ -32,6 +32,7 @@ side's next message within the link's timeout, in one line (``SamplerLost``).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -89,6 +90,7 @@ class SamplerClient:
         self.link = link
         self._jobs: queue.Queue[tuple[Any, Future] | None] = queue.Queue()
         self._failed: BaseException | None = None
+        self.progress = time.monotonic()  # when the courier last finished an exchange (or was idle)
         self._courier = threading.Thread(target=self._run, name="dschat-sampler-courier", daemon=True)
         self._courier.start()
 
@@ -124,12 +126,19 @@ class SamplerClient:
         return future
 
     def _run(self) -> None:
-        if self.link.device.type == "cuda":
-            torch.cuda.set_device(self.link.device)
+        stream: Any = contextlib.nullcontext()
+        if self.link.bulk_device.type == "cuda":  # the transfers on a stream of their own: training never waits
+            torch.cuda.set_device(self.link.bulk_device)
+            stream = torch.cuda.stream(torch.cuda.Stream())
+        with stream:
+            self._serve_jobs()
+
+    def _serve_jobs(self) -> None:
         while True:
-            try:
-                item = self._jobs.get(timeout=self.link.timeout_s / 3)
-            except queue.Empty:  # idle (the trainer evaluates, saves, ...): tell the sampler it is still there
+            try:  # idle (the trainer evaluates, saves, ...): the sampler hears from it at least every 10 s
+                item = self._jobs.get(timeout=min(self.link.timeout_s / 3, 10.0))
+            except queue.Empty:
+                self.progress = time.monotonic()
                 if self._failed is None:
                     try:
                         self.link.broadcast_json({"op": "ping"})
@@ -154,6 +163,8 @@ class SamplerClient:
             except BaseException as e:  # noqa: BLE001 - the trainer reads it from the future
                 self._failed = e
                 future.set_exception(e)
+            self.progress = time.monotonic()
+            item = job = future = None  # a sent snapshot is not kept alive while the courier idles
 
     def _push(self, snapshot: Snapshot, version: int) -> dict[str, float]:
         try:
@@ -283,7 +294,7 @@ class SamplerServer:
             end = torch.get_rng_state() if state is not None else None
         engine = out.logprobs is None and out.engine_logprobs is not None
         logps = out.engine_logprobs if engine else out.logprobs
-        seqs = out.sequences.to(self.link.device)
+        seqs = out.sequences.to(self.link.device, torch.long)
         answer = torch.zeros(B, seqs.shape[1] - P, dtype=torch.float32, device=self.link.device)
         if logps is not None:
             answer.copy_(logps.float().to(self.link.device))

@@ -30,6 +30,7 @@ Evaluations sample on the trainer, with its current weights, as in lockstep.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -50,7 +51,7 @@ from dschat import engine as E
 from dschat.errors import UserError
 from dschat.generation.decode import Generated, GenerationConfig, Prompts
 from dschat.generation.sampler import Answer, SamplerClient, SamplerLost
-from dschat.generation.weight_link import take_snapshot
+from dschat.generation.weight_link import WeightLinkError, take_snapshot
 from dschat.rlhf.rollout import episode_rows
 
 
@@ -270,9 +271,11 @@ class AsyncRollouts:
                                       torch.get_rng_state() if exact else None, config,
                                       None if episodes is None else list(episodes.rows))
             answer = self._collect(ticket)
-            if self.version - answer.version <= self.K:
+            fits = answer.sequences.shape[1] >= prompt.shape[1] and \
+                torch.equal(answer.sequences[:, :prompt.shape[1]], prompt.cpu().long())
+            if fits and self.version - answer.version <= self.K:
                 break
-            self._drop(ticket)  # too old: sampled again, from the weights sent last
+            self._drop(ticket)  # too old (or not these prompts: a state resumed on other data): sampled again
             ticket = None
         if answer.rng_state is not None:
             torch.set_rng_state(answer.rng_state)
@@ -328,11 +331,17 @@ class AsyncRollouts:
         return ticket
 
     def _wait(self, future: Future) -> Answer:
-        try:
-            return future.result(timeout=2 * self.timeout_s + 60)
-        except FutureTimeout:
-            raise SamplerLost(f"the sampler stopped answering: no answer within {2 * self.timeout_s + 60:.0f} s") \
-                from None
+        """The future's answer; the link's own timeout fails a silent sampler, and this one a courier that stopped
+        making progress (no exchange finished for longer than the timeout, with requests queued ahead)."""
+        assert self.client is not None
+        while True:
+            try:
+                return future.result(timeout=5.0)
+            except FutureTimeout:
+                idle = time.monotonic() - self.client.progress
+                if idle > self.timeout_s + 30:
+                    raise SamplerLost(f"the sampler stopped answering: no exchange finished in {idle:.0f} s "
+                                      "(--sampler-timeout)") from None
 
     def _collect(self, ticket: Ticket, count: bool = True) -> Answer:
         """This rank's rows of the ticket's answers (every rank calls it; the first reads the future)."""
@@ -346,11 +355,11 @@ class AsyncRollouts:
                 if self.client is not None:
                     try:
                         payload = self._wait(ticket.future)  # type: ignore[arg-type]
-                    except (SamplerLost, UserError) as e:
-                        payload = str(e)
+                    except BaseException as e:  # noqa: BLE001 - every rank raises it, not the first alone
+                        payload = failure(e)
                 payload = E.broadcast_object(payload)
-                if isinstance(payload, str):
-                    raise SamplerLost(payload)
+                if isinstance(payload, tuple):
+                    raise reraise(payload)
                 ticket.answer = payload
             if count:
                 self.wait_s += time.time() - t0
@@ -389,11 +398,19 @@ class AsyncRollouts:
         """``async/*`` for the step just run, and ``sync/*`` of the last weight update the sampler has checked;
         a refused update stops the run here (``WeightLinkError``), if no answer read has stopped it first (a lost
         sampler stops it at the next read, inside a step)."""
+        refused: Any = None
         for f in [f for f in self.pushes if f.done()]:
             self.pushes.remove(f)
             if isinstance(f.exception(), SamplerLost):
                 continue  # the next answer read stops the run, inside a step, whose start is kept to save
-            self.sync = f.result()  # raises what the sampler said of the update
+            if f.exception() is not None:
+                refused = failure(f.exception())  # type: ignore[arg-type]
+                break
+            self.sync = f.result()
+        if E.world_size() > 1:  # what the sampler said of an update, on every rank
+            refused = E.broadcast_object(refused)
+        if refused is not None:
+            raise reraise(refused)
         lags = self.lags or [0]
         dropped = float(E.all_reduce_sum(torch.tensor(float(self.dropped))).item()) if E.world_size() > 1 \
             else float(self.dropped)
@@ -472,6 +489,18 @@ def replace_logprobs(config: GenerationConfig) -> GenerationConfig:
     return dataclasses.replace(config, logprobs=True)
 
 
+def failure(e: BaseException) -> tuple[str, str]:
+    """An exception as (kind, message), to raise the same on every rank (``reraise``)."""
+    kind = "lost" if isinstance(e, SamplerLost) else "refused" if isinstance(e, WeightLinkError) else \
+        "user" if isinstance(e, UserError) else "error"
+    return kind, str(e) if kind != "error" else f"{type(e).__name__}: {e}"
+
+
+def reraise(failed: tuple[str, str]) -> BaseException:
+    kind, message = failed
+    return {"lost": SamplerLost, "refused": WeightLinkError, "user": UserError}.get(kind, RuntimeError)(message)
+
+
 # ---------------------------------------------------------------------------------------------------- set-up
 def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[str, Any],
                   tensors: dict[str, torch.Tensor], log: Any) -> Lockstep | AsyncRollouts:
@@ -491,22 +520,38 @@ def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[
         device, cores = sampler_devices(a.sampler_devices)
         host, port = "127.0.0.1", free_port()
         where = f"on {a.sampler_devices}"
+    failed: Any = None
     if E.is_main():
-        if not a.sampler:
-            process = start_sampler(cfg, port, device, cores)
-            log(f"started a sampler on {a.sampler_devices} (pid {process.pid}), at {host}:{port}")
-        wait_for_port(host, port, a.sampler_timeout, process)
         try:
-            link = E.Link(host, port, 0, 2, a.sampler_timeout, cuda=E.device().type == "cuda", hosts=False)
-        except RuntimeError as e:
-            from dschat.errors import first_line
+            if not a.sampler:
+                dtype = DTYPE_FLAGS.get(next(hybrid.module.parameters()).dtype, cfg.model.dtype)  # the trainer's own
+                process = start_sampler(cfg, port, device, cores, dtype)
+                log(f"started a sampler on {a.sampler_devices} (pid {process.pid}), at {host}:{port}")
+            wait_for_port(host, port, a.sampler_timeout, process)
+            try:
+                link = E.Link(host, port, 0, 2, a.sampler_timeout, cuda=E.device().type == "cuda", hosts=False)
+            except RuntimeError as e:
+                from dschat.errors import first_line
 
-            raise SamplerLost(f"the sampler at {host}:{port} did not take the link: {first_line(e)}") from None
-        client = SamplerClient(link)
-        if hybrid.agent is not None:  # the run's tools and environments, loaded on the sampler's side too
-            client.agent(asdict(cfg.agent)).result()
+                raise SamplerLost(f"the sampler at {host}:{port} did not take the link: {first_line(e)}") from None
+            client = SamplerClient(link)
+            if hybrid.agent is not None:  # the run's tools and environments, loaded on the sampler's side too
+                client.agent(asdict(cfg.agent)).result()
+        except BaseException as e:
+            if process is not None:
+                process.kill()
+            if E.world_size() == 1:
+                raise
+            failed = failure(e)
+    if E.world_size() > 1:  # every rank stops, not the first alone
+        failed = E.broadcast_object(failed)
+    if failed is not None:
+        raise reraise(failed)
     return AsyncRollouts(hybrid, client, a.max_staleness, step, state, tensors, a.sampler_timeout, process, where,
                          tokenizer)
+
+
+DTYPE_FLAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def free_port() -> int:
@@ -533,23 +578,28 @@ def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Po
         time.sleep(0.2)
 
 
-def start_sampler(cfg: Any, port: int, device: str, cores: list[int]) -> subprocess.Popen:
-    """``dschat sampler`` for this run's actor, on ``device`` (and ``cores``, which this process then leaves),
-    listening on the loopback at ``port``; its messages go to this run's stderr."""
+def start_sampler(cfg: Any, port: int, device: str, cores: list[int], dtype: str) -> subprocess.Popen:
+    """``dschat sampler`` for this run's actor in ``dtype``, on ``device`` (and ``cores``, which this process then
+    leaves), listening on the loopback at ``port``; its messages go to this run's stderr. It is killed when this
+    process exits (it would also exit by itself, its trainer gone)."""
     threads = torch.get_num_threads()
     if cores:
         mine = sorted(set(os.sched_getaffinity(0)) - set(cores))
-        if mine:  # the trainer keeps the other cores
-            os.sched_setaffinity(0, mine)
+        if mine:  # the trainer keeps the other cores: every thread of it (torch's pool is already running)
+            for tid in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), mine)
             torch.set_num_threads(len(mine))
         threads = len(cores)
     cmd = [sys.executable, "-m", "dschat.cli", "sampler", "--model", cfg.actor.model, "--listen",
            f"127.0.0.1:{port}", "--device", device, "--generation-backend", cfg.rl.generation_backend,
-           "--dtype", cfg.model.dtype, "--timeout", str(cfg.rollouts.sampler_timeout), "--threads", str(threads)]
+           "--dtype", dtype, "--timeout", str(cfg.rollouts.sampler_timeout), "--threads", str(threads)]
     if cores:
         cmd += ["--cpus", ",".join(map(str, cores))]
     if cfg.model.trust_remote_code:
         cmd.append("--trust-remote-code")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(cmd, env=env)
+    process = subprocess.Popen(cmd, env=env)
+    atexit.register(lambda: process.poll() is None and process.kill())
+    return process

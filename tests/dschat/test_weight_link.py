@@ -31,7 +31,7 @@ def _model(seed: int) -> Any:
     return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
 
 
-CASES = ("ok", "damaged", "off_probe")
+CASES = ("ok", "damaged", "off_probe", "bf16_trainer")
 
 
 def _side(rank: int, port: int, out: str) -> None:
@@ -45,6 +45,8 @@ def _side(rank: int, port: int, out: str) -> None:
     results = {}
     for case in CASES:
         model = _model(1 if rank == 0 else 2)
+        if case == "bf16_trainer" and rank == 0:  # a GPU trainer's bf16 weights into a CPU sampler's fp32 copy
+            model = model.to(torch.bfloat16)
         result: dict[str, Any] = {}
         W.CORRUPT = None
         W.probe_logprobs = probe  # type: ignore[assignment]
@@ -59,7 +61,7 @@ def _side(rank: int, port: int, out: str) -> None:
                 result["version"] = W.receive_weights(link, model)
         except W.WeightLinkError as e:
             result["error"] = str(e)
-        result["state"] = {k: v.tolist() for k, v in model.state_dict().items()}
+        result["state"] = {k: v.float().tolist() for k, v in model.state_dict().items()}
         result["tied"] = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         results[case] = result
     Path(out, f"{rank}.json").write_text(json.dumps(results))
@@ -93,3 +95,11 @@ def test_a_bad_update_stops_both_sides_with_one_line(pair, case, says):
     assert says in sampler["error"] and "the sampler stops" in sampler["error"], sampler
     assert trainer["error"].startswith("weight update 7: the sampler refused it: ") and says in trainer["error"]
     assert "\n" not in trainer["error"] and "\n" not in sampler["error"]
+
+
+def test_a_half_precision_trainer_s_update_is_checked_at_half_precision_s_tolerance(pair):
+    # its probe, computed in bf16, is off the sampler's fp32 one by about 1e-3 nats: over float32's 1e-4, well
+    # within half precision's
+    trainer, sampler = pair["bf16_trainer"]
+    assert "error" not in trainer and "error" not in sampler, (trainer, sampler)
+    assert sampler["version"] == 7 and sampler["state"] == trainer["state"]
