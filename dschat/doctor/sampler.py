@@ -71,8 +71,8 @@ def check_sampler_devices(devices: str, gpus: Sequence[GPUMemory], num_gpus: int
             report.add(CHECK, ERROR, f"--sampler-devices {devices}: no GPU {n} here ({len(gpus)} visible: {seen}); "
                                      "pick one of them or check CUDA_VISIBLE_DEVICES")
             return
-        shared = (f"; a training rank uses GPU {n} too (--num-gpus {num_gpus or 1}), and the plan does not count "
-                  "the sampler's copy of the actor") if n < (num_gpus or 1) else ""
+        shared = (f"; a training rank uses GPU {n} too (--num-gpus {num_gpus or 1}): the plan counts the "
+                  "sampler's copy of the actor on it, and the two link over gloo") if n < (num_gpus or 1) else ""
         report.add(CHECK, OK, f"{start} (GPU {n}, {found.name}, {fmt_bytes(found.free)} free){shared}")
         return
     if not cores:

@@ -643,8 +643,7 @@ def _rollouts(cfg: Any, actor: ModelPlan, dev: GPU, ranks: int, gen_rows: int, c
     plan.splits = [] if dev.host else balance(ranks, sampling, training)  # CPU ranks share the host's cores
     if index is None and not a.sampler and dev.host:
         plan.shares = "the host's cores with the training ranks"
-    plan.notes.append("the snapshot's float64 checksum on the host, ZeRO-3's gathers for it and the probe's forward "
-                      "not counted")
+    plan.notes.append("the snapshot's checksum, ZeRO-3's gathers for it and the probe's forward not counted")
     return plan
 
 
