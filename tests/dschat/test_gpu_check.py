@@ -166,15 +166,19 @@ def test_problems_rows_errors_and_missing_figures() -> None:
     check = load_check()
     report = {"parts": {"setup": {"rc": 0, "log": "l"}, "grpo": {"rc": 0, "log": "l"}, "decode": {"rc": 0, "log": "l"}},
               "setup": {"policy_params": 10},
-              "grpo": {"trl": {"skipped": "no pyarrow"}, "dschat": {"rc": 0, "step_s": 1.5}},
+              "grpo": {"trl": {"skipped": "no pyarrow"}, "dschat": {"rc": 0, "step_s": 1.5},
+                       "dschat_async": {"rc": 0, "step_s": 1.0, "sampler_devices": "cpu"}},
               "decode": {"rows": 8, "dschat": {"ms_per_step": 2.0, "captures_in_timed": 0},
                          "graph": {"ms_per_step": 1.0, "captures_in_timed": 2}, "hf": {"error": "boom"}}}
     assert check.problems(report, ["setup", "grpo"], smoke=True) == []
     found = check.problems(report, ["setup", "grpo", "decode", "ppo"], smoke=True)
     assert found == ["decode.hf: boom", "decode.graph: 2 captures in the timed run", "ppo: did not run"]
     assert check.problems(report, ["setup", "grpo", "decode", "ppo"], smoke=False) == ["decode.hf: boom"]
+    del report["grpo"]["dschat_async"]  # the asynchronous row is a figure of its own
+    assert check.problems(report, ["grpo"], smoke=True) == ["grpo.dschat_async: no result"]
     report["grpo"]["dschat"] = {"rc": 1, "step_s": None, "plan": {"rc": 0, "json": {"error": "not a row"}}}
-    assert check.problems(report, ["grpo"], smoke=True) == ["grpo.dschat: exit code 1", "grpo.dschat: no step_s"]
+    assert check.problems(report, ["grpo"], smoke=True) == ["grpo.dschat: exit code 1", "grpo.dschat: no step_s",
+                                                            "grpo.dschat_async: no result"]
     report["parts"]["grpo"]["rc"] = 124
     assert check.problems(report, ["grpo"], smoke=False)[0] == "grpo: its process exited 124 (l)"
 
