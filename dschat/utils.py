@@ -177,3 +177,12 @@ def address(text: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback right now (the OS's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

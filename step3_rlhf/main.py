@@ -130,24 +130,21 @@ def run(cfg: RLHFConfig) -> dict[str, Any]:
     dropped_total = state.get("dropped_short_answers", 0)
     tracker.advance(loop.step)
 
-    sampled_ahead: list[dict[str, torch.Tensor]] = []  # the answers' tensors of the state fields() just took
-
-    def fields(wait: bool = True) -> dict[str, Any]:  # what a state holds besides the engines
-        answers, answer_tensors = rollouts.state(wait)  # one look at the answers for both halves of a state
-        sampled_ahead[:] = [answer_tensors]
-        return {"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
-                "before": before, **answers}
-
-    def tensors_now(wait: bool = True) -> dict[str, torch.Tensor]:  # called right after fields(), for one state
-        return {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {}),
-                **(sampled_ahead.pop() if sampled_ahead else {})}
+    def state_now(wait: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What a state holds besides the engines: its fields and its tensors (the answers sampled ahead in both,
+        from one look; ``wait``: for those still being sampled)."""
+        answers, answer_tensors = rollouts.state(wait)
+        return ({"prompt_batches": stream.consumed, **algo.state(), "dropped_short_answers": dropped_total,
+                 "before": before, **answers},
+                {"shuffle": shuffle.get_state(), **({"ema": ema.full_state(as_model=False)} if ema is not None else {}),
+                 **answer_tensors})
 
     # 4. the loop: one algorithm step per update; Ctrl-C stops at a step boundary with a state saved; the health
     # monitor watches each step's metrics and each evaluation and acts after the step (--on-alarm)
     try:
         remote = any(is_remote(name) for name in cfg.reward_func_names())
-        for step in loop.updates(total_updates, fields, tensors_now, keep_boundary=remote or rollouts.can_fail,
-                                 boundary=(lambda: fields(wait=False), lambda: tensors_now(wait=False))):
+        for step in loop.updates(total_updates, state_now, keep_boundary=remote or rollouts.can_fail,
+                                 boundary=lambda: state_now(wait=False)):
             try:
                 if agent is not None:
                     agent.take_metrics()  # the step's episodes alone, not an evaluation's before it

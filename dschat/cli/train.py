@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -13,18 +12,13 @@ from typing import Any
 import click
 
 from dschat.errors import UserError
+from dschat.utils import free_port
 
 STAGE_MODULES = {1: "step1_sft.main", 2: "step2_reward.main", 3: "step3_rlhf.main"}
 
 
 def stage_module(step: int) -> Any:
     return importlib.import_module(STAGE_MODULES[step])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launcher_argv(script: str, args: list[str], num_gpus: int | None, hostfile: str | None,
@@ -38,7 +32,7 @@ def launcher_argv(script: str, args: list[str], num_gpus: int | None, hostfile: 
         cmd += ["--hostfile", hostfile]
     if num_gpus:
         cmd += ["--num_gpus", str(num_gpus)]
-    cmd += ["--master_port", str(master_port or _free_port())]
+    cmd += ["--master_port", str(master_port or free_port())]
     cmd += list(launcher_args)
     return cmd + [script] + args
 

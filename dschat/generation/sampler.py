@@ -225,7 +225,7 @@ class SamplerServer:
 
     def serve(self) -> None:
         """Answer weight updates and sample requests in the order they come. Returns on ``stop``; raises
-        ``SamplerLost`` when the trainer is gone, ``WeightLinkError`` on a bad update."""
+        ``UserError`` when the trainer is gone, ``WeightLinkError`` on a bad update."""
         while True:
             try:
                 msg = self.link.broadcast_json(None)

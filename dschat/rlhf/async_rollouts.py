@@ -52,7 +52,7 @@ from dschat.errors import UserError
 from dschat.generation.decode import Generated, GenerationConfig, Prompts
 from dschat.generation.sampler import Answer, SamplerClient, SamplerLost
 from dschat.generation.weight_link import WeightLinkError, take_snapshot
-from dschat.rlhf.rollout import episode_rows
+from dschat.rlhf.rollout import episode_rows, repeat_prompts
 
 
 class Lockstep:
@@ -116,8 +116,6 @@ class Ticket:
     the rows of every trainer rank, on every rank). ``rows``, ``widths``: each trainer rank's rows and prompt
     width, in rank order (the request holds them all, left-padded to the widest)."""
 
-    batch: int
-    index: int  # the call's place among its batch's calls
     call: Call | None
     seed: int | None
     rows: list[int]
@@ -162,8 +160,7 @@ class AsyncRollouts:
         self.index = 0  # batches handed to the algorithm
         self.ahead: collections.deque[Any] = collections.deque()  # pulled from the stream to sample, not handed out
         self.current: tuple[int, Any] | None = None
-        self.calls = 0  # sampling calls made on the current batch
-        self.recording: list[Call | None] = []  # those calls, as a pattern
+        self.recording: list[Call | None] = []  # the sampling calls made on the current batch, as a pattern
         self.pattern: list[Call] | None = None
         self.fewest = 0  # the fewest batches a step has drawn (0: no step yet)
         self.step_batches = 0
@@ -197,7 +194,7 @@ class AsyncRollouts:
         batch = self.ahead.popleft() if self.ahead else next(self.stream)
         b = self.index
         self.index += 1
-        self.current, self.calls = (b, batch), 0
+        self.current = (b, batch)
         self.step_batches += 1
         if self.K > 0 and self.pattern is not None:
             self._look_ahead(b, batch)
@@ -222,12 +219,11 @@ class AsyncRollouts:
                 continue
             self.issued.add(x)
             rows = batch if x == b else self._peek(x)
-            for j, call in enumerate(self.pattern):
-                ids = rows["prompt"].repeat_interleave(call.copies, 0)
-                mask = rows["prompt_att_mask"].repeat_interleave(call.copies, 0)
-                data = [r for r in episode_rows(self.tokenizer, rows) for _ in range(call.copies)] \
-                    if call.episodes else None
-                self.tickets[(x, j)] = self._submit(x, j, call, ids, mask, self._seed(), None, data=data)
+            for j, call in enumerate(self.pattern):  # the call as the algorithm will make it
+                asked = repeat_prompts(rows, call.copies)
+                data = episode_rows(self.tokenizer, asked) if call.episodes else None
+                self.tickets[(x, j)] = self._submit(call, asked["prompt"], asked["prompt_att_mask"], self._seed(),
+                                                    None, data=data)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -257,7 +253,7 @@ class AsyncRollouts:
             raise UserError("asynchronous rollouts do not stream tokens")
         t0 = time.time()
         b, batch = self.current
-        j, self.calls = self.calls, self.calls + 1
+        j = len(self.recording)  # the call's place among its batch's calls
         call = self._call_of(prompt, prompt_mask, batch, config, episodes is not None)
         self.recording.append(call)
         ticket = self.tickets.pop((b, j), None)
@@ -267,7 +263,7 @@ class AsyncRollouts:
         while True:
             if ticket is None:  # asked for now: K = 0 carries the trainer's RNG state, as if it sampled itself
                 exact = self.K == 0 and E.world_size() == 1
-                ticket = self._submit(b, j, call, prompt, prompt_mask, None if exact else self._seed(),
+                ticket = self._submit(call, prompt, prompt_mask, None if exact else self._seed(),
                                       torch.get_rng_state() if exact else None, config,
                                       None if episodes is None else list(episodes.rows))
             answer = self._collect(ticket)
@@ -294,8 +290,9 @@ class AsyncRollouts:
         if prompt.shape[0] % rows.shape[0] or prompt.shape[1] != rows.shape[1]:
             return None
         copies = prompt.shape[0] // rows.shape[0]
-        same = torch.equal(prompt.cpu(), rows.repeat_interleave(copies, 0).cpu()) and \
-            torch.equal(mask.cpu().long(), batch["prompt_att_mask"].repeat_interleave(copies, 0).cpu().long())
+        asked = repeat_prompts(batch, copies)
+        same = torch.equal(prompt.cpu(), asked["prompt"].cpu()) and \
+            torch.equal(mask.cpu().long(), asked["prompt_att_mask"].cpu().long())
         return Call.of(config, copies, episodes) if same else None
 
     def _generated(self, answer: Answer, config: GenerationConfig, device: torch.device) -> Generated:
@@ -310,7 +307,7 @@ class AsyncRollouts:
     def _seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,)).item())
 
-    def _submit(self, batch: int, index: int, call: Call | None, ids: torch.Tensor, mask: torch.Tensor,
+    def _submit(self, call: Call | None, ids: torch.Tensor, mask: torch.Tensor,
                 seed: int | None, rng_state: torch.Tensor | None, config: GenerationConfig | None = None,
                 data: list[dict[str, Any]] | None = None) -> Ticket:
         """Ask for one call's answers (``data``: each prompt's row, for episodes); every trainer rank calls it (the
@@ -318,7 +315,7 @@ class AsyncRollouts:
         ids, mask = ids.detach().cpu().long(), mask.detach().cpu().long()
         parts = E.gather_objects((ids, mask, data)) if E.world_size() > 1 else [(ids, mask, data)]
         rows, widths = [p[0].shape[0] for p in parts], [p[0].shape[1] for p in parts]
-        ticket = Ticket(batch, index, call, seed, rows, widths)
+        ticket = Ticket(call, seed, rows, widths)
         if self.client is not None:
             W = max(widths)
             pad = self.hybrid.pad_token_id
@@ -327,7 +324,7 @@ class AsyncRollouts:
             all_data = None if data is None else [r for _, _, d in parts for r in d]
             settings = config if config is not None else call.config()  # type: ignore[union-attr]
             ticket.future = self.client.sample(Prompts(all_ids, all_mask, self.hybrid.eos_token_id, pad),
-                                               replace_logprobs(settings), seed, rng_state, all_data)
+                                               settings, seed, rng_state, all_data)
         return ticket
 
     def _wait(self, future: Future) -> Answer:
@@ -467,8 +464,7 @@ class AsyncRollouts:
                             int(e["version"]), float(e["seconds"]), None, None if masks is None else masks[0],
                             None if masks is None else masks[1], e.get("episodes"))
             call = None if e["call"] is None else Call.from_json(e["call"])
-            self.tickets[(e["batch"], e["index"])] = Ticket(e["batch"], e["index"], call, e["seed"], e["rows"],
-                                                            e["widths"], None, answer)
+            self.tickets[(e["batch"], e["index"])] = Ticket(call, e["seed"], e["rows"], e["widths"], None, answer)
             self.issued.add(e["batch"])
 
     def close(self) -> None:
@@ -483,10 +479,6 @@ class AsyncRollouts:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def replace_logprobs(config: GenerationConfig) -> GenerationConfig:
-    return dataclasses.replace(config, logprobs=True)
 
 
 def failure(e: BaseException) -> tuple[str, str]:
@@ -510,7 +502,7 @@ def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[
     if not a.enabled:
         return Lockstep(hybrid)
     from dschat.rlhf.config import sampler_devices
-    from dschat.utils import address
+    from dschat.utils import address, free_port
 
     client, process = None, None
     if a.sampler:
@@ -552,12 +544,6 @@ def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[
 
 
 DTYPE_FLAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Popen | None) -> None:

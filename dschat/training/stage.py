@@ -245,7 +245,7 @@ class ResumableLoop:
     Two drivers share it: ``run`` (stages 1 and 2: micro-batches from a loader, a step per optimizer step, Ctrl-C
     saves at once) and ``updates`` (stage 3: a step per algorithm update, which is long, so Ctrl-C saves at the
     next step boundary). ``state`` and ``tensors`` are what the resumed state holds besides its position; the
-    stage keeps ``extras`` (and, for stage 3, the ``fields`` callback) current with what the next state should
+    stage keeps ``extras`` (and, for stage 3, the ``state`` callback) current with what the next state should
     hold.
     """
 
@@ -339,27 +339,27 @@ class ResumableLoop:
             if self.save_final:
                 self.save()
 
-    def updates(self, total_steps: int, fields: Callable[[], dict[str, Any]],
-                tensors: Callable[[], dict[str, torch.Tensor]], keep_boundary: bool = False,
-                boundary: tuple[Callable[[], dict[str, Any]], Callable[[], dict[str, torch.Tensor]]] | None = None
+    def updates(self, total_steps: int, state: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                keep_boundary: bool = False,
+                boundary: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]] | None = None
                 ) -> Iterator[int]:
         """Stage 3: yields each step number in turn; the caller runs the update in the loop body. A state holds
-        ``fields()`` and ``tensors()`` of that moment. The first Ctrl-C stops after the current step, with a state
-        saved (``stop_after_step``). ``keep_boundary``: keep a copy of each step's starting fields, tensors and RNG
-        for ``save_last_step`` (a copy per step, so only where a step can fail before its update: remote rewards, a
-        sampler in another process), taken by ``boundary``'s pair of callbacks where given (what can be had at
-        once: the copy must not wait), else by ``fields`` and ``tensors``."""
+        the fields and tensors ``state()`` gives at that moment. The first Ctrl-C stops after the current step, with
+        a state saved (``stop_after_step``). ``keep_boundary``: keep a copy of each step's starting fields, tensors
+        and RNG for ``save_last_step`` (a copy per step, so only where a step can fail before its update: remote
+        rewards, a sampler in another process), taken by ``boundary`` where given (what can be had at once: the copy
+        must not wait), else by ``state``."""
 
         def save() -> Path | None:
-            return self.save(fields(), tensors())
+            return self.save(*state())
 
         self._save_now = save
         with stop_after_step(self.stage.log) as stop:
             self._start_state(save)
             while self.step < total_steps:
                 if keep_boundary:
-                    f, t = boundary or (fields, tensors)
-                    self._boundary = (copy.deepcopy(f()), t(), _rng_state())
+                    fields, tensors = (boundary or state)()
+                    self._boundary = (copy.deepcopy(fields), tensors, _rng_state())
                 yield self.step + 1
                 self.step += 1
                 if stop.requested() and self.step < total_steps and (saved := save()) is not None:

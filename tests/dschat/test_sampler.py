@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ from dschat.generation.backends import generate
 from dschat.generation.decode import DschatBackend, GenerationConfig, Prompts
 from dschat.generation.sampler import SamplerClient, SamplerLost
 from dschat.generation.weight_link import take_snapshot
+from dschat.utils import free_port
 from tests.helpers import ROOT
 
 TIMEOUT = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
     from dschat.models.loading import create_causal_lm
 
     path, tok = tiny
-    port = _free_port()
+    port = free_port()
     proc = _start(path, port)
     try:
         link = E.Link("127.0.0.1", port, 0, 2, TIMEOUT, hosts=False)
@@ -118,7 +112,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
 
 def test_a_sampler_told_to_stop_exits_0(tiny):
     path, _ = tiny
-    port = _free_port()
+    port = free_port()
     proc = _start(path, port)
     try:
         SamplerClient(E.Link("127.0.0.1", port, 0, 2, TIMEOUT, hosts=False)).stop()
@@ -129,7 +123,7 @@ def test_a_sampler_told_to_stop_exits_0(tiny):
 
 def test_a_sampler_whose_trainer_is_gone_exits_by_itself(tiny, tmp_path):
     path, _ = tiny
-    port = _free_port()
+    port = free_port()
     proc = _start(path, port)  # a peer that vanishes is seen at once, not at the timeout
     trainer = subprocess.run([sys.executable, "-c", (
         "import os\nfrom dschat import engine as E\nfrom dschat.generation.sampler import SamplerClient\n"

@@ -6,7 +6,6 @@ that do not give the trainer's log-probs, stop both sides with one line."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dschat.utils import free_port
+
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model(seed: int) -> Any:
@@ -71,7 +66,7 @@ def _side(rank: int, port: int, out: str) -> None:
 def pair(tmp_path_factory) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Every case's (trainer, sampler) results, from one pair of processes."""
     out = tmp_path_factory.mktemp("link")
-    mp.spawn(_side, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_side, args=(free_port(), str(out)), nprocs=2, join=True)
     sides = [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)]
     return {case: (sides[0][case], sides[1][case]) for case in CASES}
 

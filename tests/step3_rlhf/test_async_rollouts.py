@@ -201,7 +201,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run_and_leaves_no_sampler(t
 
 @pytest.mark.slow
 def test_a_trainer_on_two_loopback_nodes_samples_from_a_sampler_started_apart(tmp_path):
-    from dschat.rlhf.async_rollouts import free_port
+    from dschat.utils import free_port
 
     port = free_port()
     sampler = subprocess.Popen([sys.executable, "-m", "dschat.cli", "sampler", "--model", "tiny", "--listen",
