@@ -21,7 +21,9 @@ Backends (``--generation-backend``):
 * ``compiled`` (``CompiledBackend``): the same loop with the lean step compiled by ``torch.compile`` (static shapes
   within a call, the cache in 64-column buckets; the first call compiles). The fused kernels round differently
   from the eager ones, so samples may differ from ``hf``'s in rare near-ties.
-* ``hf``: ``model.generate`` (HF's loop; whole answers, no log-probs).
+* ``hf``: ``model.generate`` (HF's loop; whole answers). Its log-probs are computed afterwards from the raw
+  logits HF returns per step (``output_logits``), with the repetition penalty over the tokens HF's own
+  penalty counts (``hf_logprobs``).
 * ``vllm``: a colocated vLLM engine (``dschat.generation.vllm_engine``), which holds its own copy of the weights.
 
 The loop is one loop. Its token step is chosen once per call, before the first token (``Step``: graph replay,
@@ -480,7 +482,7 @@ class HFBackend(SharesWeights):
     """``hf``: transformers' ``generate`` (whole answers; it reads the rest of the model's generation config)."""
 
     name = "hf"
-    caps = Capabilities(token_by_token=False, logprobs=False, engine_logprobs=False, owns_weights=False)
+    caps = Capabilities(token_by_token=False, logprobs=True, engine_logprobs=False, owns_weights=False)
 
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
@@ -498,7 +500,50 @@ class HFBackend(SharesWeights):
             kwargs["repetition_penalty"] = config.repetition_penalty
         if on_token is not None:
             kwargs["stopping_criteria"] = _stop_when(on_token, eos_token_id)
-        return Generated(module.generate(prompt, **kwargs))
+        if not config.logprobs:
+            return Generated(module.generate(prompt, **kwargs))
+        # the raw logits of every step (before any processor): the flags change what is returned, not what is drawn
+        out = module.generate(prompt, output_logits=True, return_dict_in_generate=True, **kwargs)
+        return Generated(out.sequences, hf_logprobs(out.sequences, out.logits, prompt_mask, config, eos_token_id))
+
+
+def hf_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], prompt_mask: torch.Tensor,
+                config: GenerationConfig, eos_token_id: int | list[int]) -> torch.Tensor:
+    """The log-prob of each answer token of HF ``generate``'s ``sequences`` ``(B, P + A)`` under the distribution
+    dschat's loop takes them from (``token_logprobs``: the tempered whole vocabulary, no top-k/top-p), from the raw
+    logits of its ``A`` steps; 0 after a row's first EOS, as the loop gives. ``(B, A)`` float32.
+
+    The repetition penalty is applied as HF applied it, so the log-probs are of the distribution HF drew from: its
+    penalty reads the ``input_ids`` it has at each step (the prompt, then every generated token, padding after a
+    row's end included), from each row's first attended prompt token on (transformers' ``generate``, 5.25 tested,
+    passes the left padding's width as ``prompt_ignore_length``; the tests check this rule against HF's own scores).
+    dschat's loop counts real tokens only; the two differ only after a row's end, where the log-probs are 0. Other
+    processors a model's own generation config may add (``no_repeat_ngram_size``, ``suppress_tokens``) are not
+    reproduced: dschat sets none of them."""
+    P = prompt_mask.shape[1]
+    answer = sequences[:, P:]
+    B, A = answer.shape
+    assert len(logits) == A, f"{len(logits)} steps of logits for {A} answer tokens"
+    if A == 0:
+        return torch.zeros(B, 0, device=sequences.device)
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_eos = torch.isin(answer, torch.tensor(list(ids), device=answer.device)).long()
+    policy = is_eos.cumsum(1) - is_eos == 0  # no EOS before the token: the EOS itself is the policy's
+    seen = None
+    if config.repetition_penalty != 1.0:  # (B, V): the tokens HF's penalty counts at the first step
+        seen = torch.zeros(B, logits[0].shape[-1], dtype=torch.bool, device=answer.device)
+        start = (prompt_mask != 0).int().argmax(1)  # each row's left padding, which HF ignores
+        counted = torch.arange(P, device=answer.device)[None, :] >= start[:, None]
+        rows = torch.arange(B, device=answer.device)[:, None].expand(B, P)
+        seen[rows[counted], sequences[:, :P][counted]] = True
+    logps = []
+    for t, step in enumerate(logits):
+        step = step.to(answer.device).float()
+        if seen is not None:
+            step = penalize_repeats(step, seen, config.repetition_penalty)
+            seen.scatter_(1, answer[:, t:t + 1], True)  # what HF's input_ids hold at the next step
+        logps.append(token_logprobs(step, answer[:, t], config.temperature))
+    return torch.stack(logps, dim=1).masked_fill(~policy, 0.0)
 
 
 def _stop_when(on_token: OnToken, eos_token_id: int | list[int]) -> Any:

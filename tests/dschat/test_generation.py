@@ -21,7 +21,7 @@ from transformers import (
 
 from dschat.generation.decode import DschatBackend, GenerationConfig, HFBackend, HFForward
 from dschat.generation.lean_llama import LeanLlama, _BlockProducts
-from dschat.generation.sampling import next_token, sample, token_logprobs, warp_logits
+from dschat.generation.sampling import next_token, penalize_repeats, sample, token_logprobs, warp_logits
 from dschat.rlhf.rollout import answer_logprobs, make_rollout
 
 PAD = 0
@@ -227,6 +227,134 @@ def test_loop_logprobs_equal_a_forward_pass():
         with torch.no_grad():
             plain = DschatBackend().generate(model, ids, mask, replace(cfg, logprobs=False), 5, PAD)
         assert plain.logprobs is None and torch.equal(plain.sequences, out.sequences)
+
+
+def _answer_logits(model, sequences: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """An eager full forward over prompts and answers: the logits (B, A, V) float32 that predicted each answer
+    token (every answer column attended, as HF generate extends the mask)."""
+    P = mask.shape[1]
+    full = torch.cat([mask, torch.ones(len(mask), sequences.shape[1] - P, dtype=mask.dtype)], dim=1)
+    positions = (full.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=sequences, attention_mask=full, position_ids=positions).logits[:, P - 1:-1].float()
+
+
+def _after_eos(answer: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B, A) True strictly after each row's first EOS (the EOS itself is the policy's)."""
+    after = torch.zeros_like(answer, dtype=torch.bool)
+    for b, row in enumerate(answer.tolist()):
+        if eos in row:
+            after[b, row.index(eos) + 1:] = True
+    return after
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_backend_logprobs_equal_a_forward_pass(kind):
+    """``hf`` returns each sampled token's log-prob under the tempered whole vocabulary (top-p cuts what is drawn,
+    not what is scored), 0 after a row's EOS: a full forward's, on left-padded rows that end at different steps; an
+    ``on_token`` stop returns the log-probs of the steps it ran."""
+    assert HFBackend.caps.logprobs
+    model = model_of(kind)
+    ids, mask = prompts()
+    P = ids.shape[1]
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0.7, top_p=0.9, logprobs=True)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        free = HFBackend().generate(model, ids, mask, cfg, 1, PAD).sequences
+        # the token row 0 draws at its 4th step as EOS: the same seed draws the same tokens up to there, so row 0
+        # ends by then while the others go on
+        eos = int(free[0, P + 3])
+        torch.manual_seed(3)
+        out = HFBackend().generate(model, ids, mask, cfg, eos, PAD)
+        logits = _answer_logits(model, out.sequences, mask)
+    answer = out.sequences[:, P:]
+    A = answer.shape[1]
+    after = _after_eos(answer, eos)
+    ends = [row.index(eos) if eos in row else A for row in answer.tolist()]
+    assert ends[0] <= 3 and len(set(ends)) > 1 and after.any()  # what was arranged: rows end at different steps
+    assert (answer[after] == PAD).all()
+    want = (logits / 0.7).log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1).masked_fill(after, 0.0)
+    assert out.logprobs is not None and out.logprobs.dtype == torch.float32 and out.logprobs.shape == (3, A)
+    torch.testing.assert_close(out.logprobs, want, atol=1e-5, rtol=0)
+    assert (out.logprobs[~after] < 0).all()
+    steps: list[torch.Tensor] = []
+    with torch.no_grad():
+        torch.manual_seed(3)
+        short = HFBackend().generate(model, ids, mask, cfg, eos, PAD,
+                                     on_token=lambda tok, policy: steps.append(tok) or len(steps) == 3)
+    assert short.sequences.shape[1] == P + 3 and short.logprobs is not None and short.logprobs.shape == (3, 3)
+    torch.testing.assert_close(short.logprobs, out.logprobs[:, :3], atol=1e-6, rtol=0)
+
+
+def _penalized_by_hand(logits: torch.Tensor, row: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """A step's logits (V,) under HF's repetition penalty (1.3) as its generate applies it: over the tokens of its
+    ``input_ids`` so far, ``row[:end]``, from the row's first attended prompt token ``first`` on."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[row[first:end]] = True
+    return penalize_repeats(logits[None], seen[None], 1.3)[0]
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_hf_backend_logprobs_under_hf_repetition_penalty(do_sample):
+    """With a repetition penalty the log-probs are of the distribution HF drew from: the penalty over every token
+    HF's ``input_ids`` held at that step but the left padding (checked against HF's own processed scores), then the
+    temperature, over the whole vocabulary; greedy rows too (of the tempered distribution, as dschat's loop)."""
+    model = model_of("llama")
+    ids, mask = prompts()
+    P = ids.shape[1]
+    first = [int(m.nonzero()[0]) for m in mask]
+    assert first == [0, 3, 6]
+    with torch.no_grad():  # the hand rule is HF's: greedy scores are the raw logits after the penalty alone
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                            eos_token_id=1, repetition_penalty=1.3, temperature=1.0, top_p=1.0, top_k=0,
+                            output_scores=True, output_logits=True, return_dict_in_generate=True)
+    for t, (raw, scores) in enumerate(zip(hf.logits, hf.scores, strict=True)):
+        for b in range(3):
+            want = _penalized_by_hand(raw[b], hf.sequences[b], first[b], P + t)
+            torch.testing.assert_close(scores[b], want, atol=1e-6, rtol=0)
+    # the padded rows' first step: PAD (never a prompt token here) is in their input_ids but not penalised
+    assert torch.equal(hf.scores[0][1:, PAD], hf.logits[0][1:, PAD]) and (hf.logits[0][1:, PAD] != 0).all()
+
+    cfg = GenerationConfig(max_new_tokens=16, do_sample=do_sample, temperature=0.7, top_p=0.9,
+                           repetition_penalty=1.3, logprobs=True)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        out = HFBackend().generate(model, ids, mask, cfg, 1, PAD)
+        logits = _answer_logits(model, out.sequences, mask)
+    seq = out.sequences
+    answer = seq[:, P:]
+    want = torch.zeros(answer.shape)
+    for b in range(3):
+        for t in range(answer.shape[1]):
+            penalized = _penalized_by_hand(logits[b, t], seq[b], first[b], P + t)
+            want[b, t] = (penalized / 0.7).log_softmax(-1)[answer[b, t]]
+    want = want.masked_fill(_after_eos(answer, 1), 0.0)
+    assert out.logprobs is not None
+    torch.testing.assert_close(out.logprobs, want, atol=1e-5, rtol=0)
+    unpenalized = (logits / 0.7).log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1)
+    assert (out.logprobs - unpenalized).abs().max() > 1e-2  # the penalty moved them, so the check above means something
+
+
+def test_hf_backend_without_logprobs_samples_as_generate(monkeypatch):
+    """Log-probs not asked for: ``model.generate`` is called as before (no output flags) and draws what it draws
+    when called directly with the same seed; asked for, the flags change nothing drawn."""
+    model = model_of("llama")
+    ids, mask = prompts()
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.7, top_p=0.9, repetition_penalty=1.3)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.7,
+                              top_p=0.9, top_k=0, repetition_penalty=1.3, pad_token_id=PAD, eos_token_id=1,
+                              use_cache=True)
+        calls: list[dict] = []
+        generate = model.generate
+        monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(k) or generate(*a, **k))
+        torch.manual_seed(7)
+        plain = HFBackend().generate(model, ids, mask, cfg, 1, PAD)
+        torch.manual_seed(7)
+        scored = HFBackend().generate(model, ids, mask, replace(cfg, logprobs=True), 1, PAD)
+    assert plain.logprobs is None and torch.equal(plain.sequences, want)
+    assert "output_logits" not in calls[0] and "return_dict_in_generate" not in calls[0]
+    assert scored.logprobs is not None and torch.equal(scored.sequences, want)
 
 
 def test_wrapped_layers_take_the_forward_path():
