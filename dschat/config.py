@@ -582,14 +582,17 @@ HALF_TOLERANCE, FULL_TOLERANCE = 0.5, 1e-3
 class VLLMArgs:
     """The vLLM engine's settings (``--generation-backend vllm``, or ``auto`` where it picks vLLM)."""
 
-    vllm_gpu_memory_utilization: float = arg(0.3, "GPU: share of each GPU's memory vLLM may take (weights and KV "
-                                                  "cache) beside the training engines.", above=0)
+    vllm_gpu_memory_utilization: float | None = arg(None, "GPU: share of each GPU's memory vLLM may take (weights "
+                                                          "and KV cache); default 0.3 beside training engines "
+                                                          "(colocated, or a sampler sharing a trainer's GPU), "
+                                                          "vLLM's own on a GPU of its own.", above=0, high=1)
     vllm_kv_cache_memory: int = arg(0, "CPU: vLLM's KV-cache budget in MiB (0: enough for one generation batch, "
                                        "at least 64).", low=0)
     vllm_tensor_parallel_size: int = arg(1, "GPU: GPUs per vLLM engine (tensor parallel); the data-parallel "
                                             "ranks of a group share one engine's answers.", low=1)
-    vllm_enable_sleep: bool = arg(True, "GPU: put the engine to sleep (weights offloaded, KV cache freed) while "
-                                        "the actor trains, so training gets the memory back.")
+    vllm_enable_sleep: bool | None = arg(None, "GPU: put the engine to sleep (weights offloaded, KV cache freed) "
+                                               "while the actor trains, so training gets the memory back; default "
+                                               "on beside training engines, off on a GPU of its own.")
     sync_tolerance: float | None = arg(None, "Largest log-prob difference allowed between the engine and the actor "
                                              f"on the probe after a weight sync (default: {FULL_TOLERANCE} in "
                                              f"float32, {HALF_TOLERANCE} in bf16/fp16).", above=0)
@@ -597,6 +600,9 @@ class VLLMArgs:
 
 
 VLLM_FLAGS = tuple(f.name for f in dataclasses.fields(VLLMArgs))
+# the engine's own settings, which a sampler process takes too (the weight sync's belong to a colocated engine)
+VLLM_ENGINE_FLAGS = ("vllm_gpu_memory_utilization", "vllm_kv_cache_memory", "vllm_tensor_parallel_size",
+                     "vllm_enable_sleep")
 
 
 @dataclass

@@ -197,63 +197,132 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-class Link:
-    """A process group of its own between separate jobs (the trainer's first rank and the ranks of a sampler started
-    beside it or on another node), found by ``host:port``. Only the link's members take part, and each job's own
-    world group is untouched. One member hosts the rendezvous (a TCP store); every call waits at most ``timeout_s``
-    for the others, then raises. Objects cross as JSON, never pickled: a peer is another process. ``hosts``: this
-    member listens at ``host:port`` (default: rank 0); the others connect there.
+class WeightGroup:
+    """A process group of its own that carries weight updates between separate jobs: the trainer's first rank
+    (rank 0, the only sender) and every sampler rank (``dschat.generation.weight_plane``). Each job's own world
+    group is untouched, and only weights cross: the requests, answers and verdicts go over each sampler's control
+    channel (``dschat.generation.channel``).
 
-    Messages (JSON, requests, answers) go over gloo on the CPU (``device``), whose waits block and time out, so a
-    peer gone or silent fails a message with an error. Bulk tensors (``broadcast(..., bulk=True)``: weight updates)
-    go over NCCL on the GPUs (``bulk_device``) where every member is on a GPU of its own (``cuda``: this member's
-    is), else over the same gloo group on the CPU (a CPU sampler beside a GPU trainer, or both sharing one GPU).
-    Like torch.distributed's own rendezvous, the link has no authentication: listen on a private network."""
+    Members find each other through a TCP store the trainer hosts (``WeightStore``), under a random ``prefix`` that
+    only the control channel, which authenticates both ends, carries. NCCL where every member has a GPU of its own
+    (``nccl``), else gloo on CPU tensors. Every wait ends within ``timeout_s``: gloo's own waits time out, a peer
+    gone fails them at once; NCCL's are polled up to the deadline and its communicator aborted past it, built
+    without the watchdog's error handling, so a dead or hung peer raises ``WeightGroupError`` in this process
+    instead of the watchdog killing it."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float, cuda: bool = False,
-                 hosts: bool | None = None):
+    def __init__(self, store: Any, prefix: str, rank: int, size: int, timeout_s: float, nccl: bool = False):
         from datetime import timedelta
 
-        wait = timedelta(seconds=timeout_s)
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.store = dist.TCPStore(host, port, size, rank == 0 if hosts is None else hosts, timeout=wait,
-                                   wait_for_workers=True)
-        prefixed = dist.PrefixStore("dschat-link", self.store)
-        self.device = torch.device("cpu")
-        self.group: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), rank, size, wait)
-        prefixed.set(f"cuda/{rank}", _gpu_identity() if cuda else "")
-        gpus = [prefixed.get(f"cuda/{r}").decode() for r in range(size)]
-        self.bulk_device, self.bulk = self.device, self.group
-        if all(gpus) and len(set(gpus)) == size:
-            self.bulk_device = torch.device("cuda", torch.cuda.current_device())
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = wait
-            self.bulk = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", prefixed), rank, size, opts)
+        self.rank, self.size, self.timeout_s, self.nccl = rank, size, timeout_s, nccl
+        scoped = dist.PrefixStore(f"dschat-weights/{prefix}", store)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        try:
+            if nccl:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timedelta(seconds=timeout_s)
+                with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_BLOCKING_WAIT="0"):
+                    self.group: Any = dist.ProcessGroupNCCL(scoped, rank, size, opts)
+            else:
+                self.group = dist.ProcessGroupGloo(scoped, rank, size, timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise WeightGroupError(f"the weight group did not form within {timeout_s:g} s: {_first(e)}") from None
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, bulk: bool = False) -> torch.Tensor:
-        """``t`` (on ``device``, or ``bulk_device`` with ``bulk``; the same shape and dtype on every member) from
-        ``src`` to every member, in place."""
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on ``device``; the same shape and dtype on every member) from rank 0 to every member, in place;
+        landed when this returns. ``WeightGroupError`` when a member is gone or hung."""
         opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        (self.bulk if bulk else self.group).broadcast([t], opts).wait()
-        if bulk and t.is_cuda:
-            torch.cuda.current_stream().synchronize()  # the transfer has landed before anyone reads or frees t
+        opts.rootRank = 0
+        try:
+            work = self.group.broadcast([t], opts)
+            if self.nccl:  # poll: a blocking wait would leave the timeout to the watchdog
+                import time
+
+                deadline = time.monotonic() + self.timeout_s
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        self.abort()
+                        raise WeightGroupError(f"a weight transfer did not finish within {self.timeout_s:g} s")
+                    time.sleep(0.0005)
+                work.wait()
+                torch.cuda.current_stream().synchronize()
+            else:
+                work.wait()
+        except RuntimeError as e:
+            raise WeightGroupError(f"a weight transfer failed: {_first(e)}") from None
         return t
 
-    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
-        """A JSON value from ``src`` to every member: its length, then its UTF-8 bytes."""
-        import json
-
-        data = json.dumps(obj).encode() if self.rank == src else b""
-        n = self.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self.device), src)
-        buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == src:
-            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast(buf, src)
-        return obj if self.rank == src else json.loads(bytes(buf.cpu().tolist()).decode())
+    def abort(self) -> None:
+        """End the communicator now (NCCL: its kernels return; the group is unusable after)."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except RuntimeError:
+                pass
 
 
-def _gpu_identity() -> str:
+class WeightGroupError(RuntimeError):
+    """A weight transfer failed: a member of the weight group is gone or hung."""
+
+
+class WeightStore:
+    """The TCP store weight groups meet at, hosted by the trainer's first rank at exactly ``host`` (a free port),
+    never on every interface; its clients (samplers) connect with ``client``."""
+
+    def __init__(self, host: str, timeout_s: float):
+        from datetime import timedelta
+
+        from dschat.utils import listen_at
+
+        self.sock = listen_at(host, 0)
+        self.host, self.port = host, int(self.sock.getsockname()[1])
+        self.store = dist.TCPStore(host, self.port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                                   master_listen_fd=self.sock.fileno(), use_libuv=True)
+
+    @staticmethod
+    def client(host: str, port: int, timeout_s: float) -> Any:
+        from datetime import timedelta
+
+        try:
+            return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as e:
+            raise WeightGroupError(f"the trainer's weight store at {host}:{port} did not answer: {_first(e)}") \
+                from None
+
+
+def _first(e: BaseException) -> str:
+    """An error of torch.distributed's in one line, without the C++ source location gloo puts first."""
+    import re
+
+    from dschat.errors import first_line
+
+    return first_line(re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(e).strip()) or type(e).__name__)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Environment variables set for the block (read by a constructor), restored after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (every rank gets the same answer): a decision that chooses a collective
+    path is taken once for all ranks, so one rank that sees otherwise cannot leave the others waiting."""
+    if not (is_distributed() and world_size() > 1):
+        return flag
+    return bool(all_reduce_max(torch.tensor(int(flag))).item())
+
+
+def gpu_identity() -> str:
     """This process's current GPU, the same string in every process that uses it (its UUID where torch reads one)."""
     import socket
 

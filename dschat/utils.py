@@ -179,6 +179,24 @@ def address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def listen_at(host: str, port: int, backlog: int = 16) -> Any:
+    """A TCP socket listening at exactly ``host:port`` (port 0: any free one), never on every interface; one line
+    (``UserError``) when the address is taken or is not this machine's."""
+    import socket
+
+    from dschat.errors import UserError, first_line
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(backlog)
+    except OSError as e:
+        raise UserError(f"cannot listen at {host}:{port}: {first_line(e)}") from None
+    return sock
+
+
 def free_port() -> int:
     """A TCP port free on the loopback right now (the OS's pick)."""
     import socket

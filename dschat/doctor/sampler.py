@@ -1,6 +1,6 @@
 """The doctor's sampler check (stage 3's asynchronous rollouts): a sampler started apart (``--sampler HOST:PORT``)
-takes a TCP connection there; a sampler stage 3 starts itself (``--async-rollouts``) has the devices
-``--sampler-devices`` names on this machine."""
+takes a connection there and proves the run's secret; a sampler stage 3 starts itself (``--async-rollouts``) has
+the devices ``--sampler-devices`` names on this machine, and a GPU of its own unless told to share."""
 
 from __future__ import annotations
 
@@ -27,34 +27,47 @@ def check_sampler(cfg: Any, report: Report, timeout: float, gpus: Sequence[GPUMe
     if a is None or not a.enabled:
         return
     if a.sampler:
-        probe_sampler(a.sampler, cfg.actor.model, timeout, report)
+        probe_sampler(a.sampler, cfg.actor.model, timeout, report, a.sampler_token_file)
     else:
-        check_sampler_devices(a.sampler_devices, gpus, num_gpus, report)
+        check_sampler_devices(a.sampler_devices, gpus, num_gpus, report, a.sampler_share_gpu)
 
 
-def probe_sampler(addr: str, model: str, timeout: float, report: Report) -> None:
-    """A TCP connection to ``addr`` (a sampler's ``--listen HOST:PORT``) and closed again: ok when it is taken,
-    an error naming why and the command that starts a sampler there when it is not."""
+def probe_sampler(addr: str, model: str, timeout: float, report: Report, token_file: str = "") -> None:
+    """A connection to ``addr`` (a sampler's ``--listen HOST:PORT``) in which both sides prove the run's secret,
+    closed before a hello (the sampler then waits on for its trainer): ok when it is taken and the secret
+    agrees, an error naming why (and the command that starts a sampler there) when not."""
+    from dschat.errors import UserError
+    from dschat.generation.channel import ChannelClosed, Refused, connect, load_secret
     from dschat.utils import address
 
     host, port = address(addr)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        secret = load_secret(token_file, "--sampler-token-file")
+    except UserError as e:
+        report.add(CHECK, ERROR, f"--sampler {addr}: {e}")
+        return
+    try:
+        socket.getaddrinfo(host, port)
     except socket.gaierror as e:
         report.add(CHECK, ERROR, f"--sampler {addr}: host {host} does not resolve ({e.strerror or e}); name the "
                                  "sampler's host as this machine reaches it")
         return
-    except OSError as e:
-        why = f"no answer within {timeout:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        report.add(CHECK, ERROR, f"no sampler listens at {addr} ({why}): start one there with `dschat sampler "
+    try:
+        connect(host, port, secret, timeout).close()
+    except Refused as e:
+        report.add(CHECK, ERROR, f"the peer at {addr} is not this run's sampler: {e} (the same secret on both "
+                                 "sides: --sampler-token-file here, --token-file or $DSCHAT_SAMPLER_TOKEN there)")
+        return
+    except ChannelClosed as e:
+        why = str(e)
+        report.add(CHECK, ERROR, f"no sampler answers at {addr} ({why}): start one there with `dschat sampler "
                                  f"--model {model or '...'} --listen {addr}`")
         return
-    report.add(CHECK, OK, f"the sampler at {addr} answers (a TCP connection, closed again; the run itself joins "
-                          "the link)")
+    report.add(CHECK, OK, f"the sampler at {addr} answers and proves the run's secret")
 
 
-def check_sampler_devices(devices: str, gpus: Sequence[GPUMemory], num_gpus: int | None, report: Report) -> None:
+def check_sampler_devices(devices: str, gpus: Sequence[GPUMemory], num_gpus: int | None, report: Report,
+                          share: bool = False) -> None:
     """What ``--async-rollouts`` starts on ``--sampler-devices``, checked against this machine where it can be."""
     from dschat.rlhf.config import sampler_devices
 
@@ -71,8 +84,12 @@ def check_sampler_devices(devices: str, gpus: Sequence[GPUMemory], num_gpus: int
             report.add(CHECK, ERROR, f"--sampler-devices {devices}: no GPU {n} here ({len(gpus)} visible: {seen}); "
                                      "pick one of them or check CUDA_VISIBLE_DEVICES")
             return
-        shared = (f"; a training rank uses GPU {n} too (--num-gpus {num_gpus or 1}): the plan counts the "
-                  "sampler's copy of the actor on it, and the two link over gloo") if n < (num_gpus or 1) else ""
+        if n < (num_gpus or 1) and not share:
+            report.add(CHECK, ERROR, f"--sampler-devices {devices}: a training rank uses GPU {n} too (--num-gpus "
+                                     f"{num_gpus or 1}); name a GPU of its own, or pass --sampler-share-gpu")
+            return
+        shared = (f"; a training rank uses GPU {n} too (--sampler-share-gpu): the plan counts the sampler's "
+                  "copy of the actor on it, and weights cross over gloo") if n < (num_gpus or 1) else ""
         report.add(CHECK, OK, f"{start} (GPU {n}, {found.name}, {fmt_bytes(found.free)} free){shared}")
         return
     if not cores:

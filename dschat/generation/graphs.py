@@ -95,7 +95,9 @@ class CapturedStep:
                 self._run()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread-local: another thread's CUDA work during the capture (the courier sending a weight update to a
+        # sampler, on a stream of its own) neither joins this graph nor fails it, as the global mode would make it
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self.logits = self._run()
         torch.cuda.synchronize()
         self.graph = graph

@@ -51,6 +51,25 @@ from dschat.models.heads import head_dim
 
 PROBE_TOKENS, PROBE_SEED = 8, 1234
 PROBE_FLOOR = 128 + 16 + PROBE_TOKENS  # the probe's prompt fills one KV block (128 tokens on CPU, 16 on GPU) and more
+SHARED_MEMORY_UTILIZATION = 0.3  # of a GPU that training engines use too
+
+
+def logprobs_mode(sampling: Any) -> str:
+    """vLLM's ``logprobs_mode`` whose sampled-token log-probs are those of the tempered, unfiltered distribution,
+    ``log softmax(logits / T)`` over the whole vocabulary, as dschat's decoder and the trainer compute them:
+    ``processed_logprobs`` (after temperature, top-k and top-p) where nothing is filtered, ``raw_logprobs`` (before
+    any processing) where the temperature is 1. With both a temperature other than 1 and a top-k or top-p filter
+    vLLM returns neither: ``processed_logprobs`` then gives the filtered distribution's, which
+    ``logprobs_are_tempered`` reports."""
+    if sampling is None or (getattr(sampling, "top_p", 1.0) >= 1.0 and not getattr(sampling, "top_k", 0)):
+        return "processed_logprobs"
+    return "raw_logprobs" if getattr(sampling, "temperature", 1.0) == 1.0 else "processed_logprobs"
+
+
+def logprobs_are_tempered(sampling: Any) -> bool:
+    """Whether vLLM can return the tempered, unfiltered log-probs for these settings (``logprobs_mode``)."""
+    return sampling is None or getattr(sampling, "temperature", 1.0) == 1.0 or \
+        (getattr(sampling, "top_p", 1.0) >= 1.0 and not getattr(sampling, "top_k", 0))
 
 
 class WeightSyncError(UserError):
@@ -223,10 +242,20 @@ class VLLMBackend:
     caps = Capabilities(token_by_token=False, logprobs=False, engine_logprobs=True, owns_weights=True)
 
     def __init__(self, args: VLLMArgs | None = None, max_model_len: int | None = None, skip_sync: bool = False,
-                 reset_prefix_cache: bool = True):
+                 reset_prefix_cache: bool = True, sampling: Any = None, dedicated: bool = False):
         require_vllm()
         self.args = args or VLLMArgs()
         self.max_model_len = max_model_len
+        # the behaviour log-probs this engine returns: the tempered, unfiltered distribution where vLLM can give it
+        self.logprobs_mode = logprobs_mode(sampling)
+        # beside the training engines (colocated, or a sampler sharing a trainer's GPU): a share of the memory and
+        # asleep between samples; a device of its own: vLLM's own default share, never asleep
+        self.memory_utilization = self.args.vllm_gpu_memory_utilization
+        self.sleep_mode = self.args.vllm_enable_sleep
+        if self.memory_utilization is None:
+            self.memory_utilization = None if dedicated else SHARED_MEMORY_UTILIZATION
+        if self.sleep_mode is None:
+            self.sleep_mode = not dedicated
         self.llm: Any = None
         self.synced: tuple[int, int] | None = None
         self.broken: str | None = None
@@ -239,13 +268,17 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------------------------------- engine
     def _build(self, module: torch.nn.Module, batch: int, total: int) -> None:
+        self._build_from(module.config, next(module.parameters()).dtype, batch, total)
+
+    def _build_from(self, config: Any, dtype: torch.dtype, batch: int, total: int, **extra: Any) -> None:
+        """The engine for a model of ``config`` in ``dtype`` (dummy weights: the real ones come by sync, or from
+        the weight plane), sized for ``batch`` sequences of ``total`` tokens; ``extra``: more engine arguments."""
         from dschat import engine as E
 
         _vllm_env()
         from vllm import LLM
 
-        config = module.config
-        self.dtype = next(module.parameters()).dtype
+        self.dtype = dtype
         self._dir = tempfile.TemporaryDirectory(prefix="dschat-vllm-")
         config.save_pretrained(self._dir.name)  # dummy weights at first; the real ones come by sync
         # the longest sequence the engine must hold: the caller's prompt + answer budget, else the model's own limit
@@ -255,17 +288,19 @@ class VLLMBackend:
         self.max_len = max_len
         kwargs: dict[str, Any] = dict(
             model=self._dir.name, skip_tokenizer_init=True, load_format="dummy", dtype=_dtype_name(self.dtype),
-            enforce_eager=not torch.cuda.is_available(), logprobs_mode="processed_logprobs",
+            enforce_eager=not torch.cuda.is_available(), logprobs_mode=self.logprobs_mode,
             enable_prefix_caching=True, max_model_len=max_len, generation_config="vllm",
             tensor_parallel_size=self.args.vllm_tensor_parallel_size, seed=0,
             trust_remote_code=bool(getattr(config, "auto_map", None)))
         if torch.cuda.is_available():
-            kwargs.update(gpu_memory_utilization=self.args.vllm_gpu_memory_utilization,
-                          enable_sleep_mode=self.args.vllm_enable_sleep)
+            kwargs.update(enable_sleep_mode=self.sleep_mode)
+            if self.memory_utilization is not None:
+                kwargs["gpu_memory_utilization"] = self.memory_utilization
         else:
             kwargs["kv_cache_memory_bytes"] = self._kv_bytes(config, batch, total)
         if E.world_size() > 1:  # each rank its own engine, inside the launcher's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(extra)
         with forked_rng():  # vLLM seeds the global generators (CPU and CUDA); training's draws must not move
             self.llm = LLM(**kwargs)
         atexit.register(self.close)
@@ -300,7 +335,7 @@ class VLLMBackend:
 
     def release(self) -> None:
         """After sampling: on GPU with sleep on, give training the engine's memory back."""
-        if self.llm is not None and torch.cuda.is_available() and self.args.vllm_enable_sleep:
+        if self.llm is not None and torch.cuda.is_available() and self.sleep_mode:
             self.llm.sleep(level=1)
             self.sleeping = True
 
@@ -406,6 +441,13 @@ class VLLMBackend:
                 module.train()
         return float((ours.float().cpu() - engine_lp).abs().max())
 
+    def _ready(self, module: torch.nn.Module) -> bool:
+        """Whether the engine holds ``module``'s weights (it was synced from it)."""
+        return self.synced is not None and self.synced[0] == id(module)
+
+    def _generate_kwargs(self) -> dict[str, Any]:
+        return {}
+
     # ----------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, module: torch.nn.Module, prompt: torch.Tensor, prompt_mask: torch.Tensor,
@@ -417,7 +459,7 @@ class VLLMBackend:
         from vllm import SamplingParams
 
         B, P = prompt.shape
-        if self.llm is None or self.synced is None or self.synced[0] != id(module):
+        if self.llm is None or not self._ready(module):
             raise WeightSyncError("vLLM was asked to sample before this module's weights were synced into it")
         self._wake()  # asleep since the last sample (GPU): weights and KV cache back before anything runs
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -433,7 +475,7 @@ class VLLMBackend:
             for s in seeds]
         rows = [{"prompt_token_ids": r[m.bool()].tolist()} for r, m in zip(prompt.cpu(), prompt_mask.cpu(),
                                                                            strict=True)]
-        outs = self.llm.generate(rows, params, use_tqdm=False)
+        outs = self.llm.generate(rows, params, use_tqdm=False, **self._generate_kwargs())
         answers = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or [], a, strict=False)]
                  for o, a in zip(outs, answers, strict=True)]

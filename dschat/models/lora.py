@@ -180,8 +180,15 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
 def merged_weight(layer: nn.Module, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """One adapted layer's plain weight ``base + (B @ A) * alpha / r`` from its base weight, ``a`` (r, in) and
     ``b`` (out, r), computed in fp32 and cast back (transposed for GPT-2's ``Conv1D``, which stores (in, out))."""
-    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # (out, in)
-    if getattr(layer, "fan_in_fan_out", False):
+    return merge(base, a, b, layer.scaling[ADAPTER], bool(getattr(layer, "fan_in_fan_out", False)))
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool = False
+          ) -> torch.Tensor:
+    """``base + (B @ A) * scaling`` in fp32, cast back to ``base``'s dtype (the delta transposed where the layer
+    stores (in, out)): the one merge, on the trainer's saves and on a sampler that receives adapters."""
+    delta = (b.float() @ a.float()) * scaling  # (out, in)
+    if fan_in_fan_out:
         delta = delta.T
     return (base.float() + delta).to(base.dtype)
 

@@ -27,6 +27,8 @@ from typing import Any
 from dschat.errors import UserError
 from dschat.planning.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu, fmt_bytes, fmt_rate
 from dschat.planning.memory import (
+    LORA_NAMES,
+    LORA_TARGETS,
     ModelStates,
     Sharding,
     frozen_weights,
@@ -38,7 +40,7 @@ from dschat.planning.memory import (
     prefetch_bytes,
     training_activations,
 )
-from dschat.planning.rollouts import RolloutsPlan, balance
+from dschat.planning.rollouts import RolloutsPlan, WeightUpdate, pack_buckets
 from dschat.planning.shapes import ModelShape, model_config, shape_from_config
 
 # Efficiency assumptions of the time estimate (docs/planning.md): model FLOPs utilisation of training and of the
@@ -202,6 +204,9 @@ class Plan:
         r = self.throughput.rollouts
         shared = (f"; {r.shares.partition(' ')[0]} also holds the sampler ({fmt_bytes(r.sampler_bytes)}): "
                   f"{fmt_bytes(r.shared_peak)}" if r is not None and r.shared_peak else "")
+        if r is not None and not r.trainer_fits:
+            shared += (f"; the first rank also stages the weight update ({fmt_bytes(r.update.trainer_bytes)}): "
+                       f"{fmt_bytes(r.trainer_peak + r.update.trainer_bytes)}")
         lines.append(f"verdict: {verdict}: peak {fmt_bytes(self.peak_bytes)} ({peak.name}) of "
                      f"{fmt_bytes(self.memory)} per GPU{shared}")
         if self.cpu_bytes:
@@ -290,11 +295,11 @@ def make_plan(step: int, values: dict[str, Any], *, num_gpus: int = 1, nodes: in
     plan = Plan(step, dev, num_gpus, nodes, memory, reserve, models, phases, throughput, checkpoint, state, settings,
                 allocator=allocator, reserve_items=items)
     r = throughput.rollouts
-    if r is not None and r.device_index is not None and r.device_index < num_gpus and not dev.host:
+    if r is not None:
         # --sampler-devices cuda:N of a training rank's GPU (on the first node): both processes hold it
-        r.shares = f"cuda:{r.device_index} with a training rank"
-        r.shared_peak, r.shared_memory = plan.peak_bytes + r.sampler_bytes, memory
-        if suggest and not r.fits:  # first a device of its own for the sampler
+        shared = r.device_index is not None and r.device_index < num_gpus and not dev.host
+        r.settle(plan.peak_bytes, memory, f"cuda:{r.device_index} with a training rank" if shared else "")
+        if shared and suggest and not r.shared_fits:  # first a device of its own for the sampler
             plan.suggestion, plan.suggested_flags = _move_sampler(values, num_gpus, nodes, memory, dev, reserve)
             return plan
     if suggest and not plan.fits:
@@ -597,7 +602,8 @@ def generation_seconds(actor: ModelPlan, rows: int, prompt: int, answer: int, d:
 def _rollouts(cfg: Any, actor: ModelPlan, dev: GPU, ranks: int, gen_rows: int, calls: int, parts: dict[str, float],
               without: float) -> RolloutsPlan:
     """Asynchronous rollouts (``dschat.planning.rollouts``): the sampler's device and memory, each side's seconds
-    per update from this plan's model, and the split of the ``ranks`` devices."""
+    per update from this plan's model, the weight update, and the split of the ``ranks`` devices. ``make_plan``
+    settles what needs the trainer's peak (``RolloutsPlan.settle``: a shared GPU, where the update is staged)."""
     from dschat.rlhf.config import check_async, sampler_devices
 
     check_async(cfg)
@@ -618,33 +624,94 @@ def _rollouts(cfg: Any, actor: ModelPlan, dev: GPU, ranks: int, gen_rows: int, c
             if dev.host:
                 notes.append(f"{device} planned as the default {sdev.name}")
     sd, sname = _dtype_bytes(cfg.model.dtype, sdev)
-    merged = actor.shape.params("lm")  # the sampler's copy and the update: LoRA merged
+    merged = actor.shape.params("lm")  # the sampler's copy: LoRA merged
     copy = dataclasses.replace(actor, params=merged)
     prompt, answer = cfg.data.max_prompt_seq_len, cfg.rl.max_answer_seq_len
     rows = gen_rows * ranks  # one request holds every training rank's rows
     items = [("actor weights whole", merged * sd)]
+    lo = cfg.lora_of("actor")
+    if lo.lora_dim > 0:  # ModuleReceiver keeps each adapted layer's base beside its merge, and the adapters in fp32
+        base = actor.shape.layers * sum(i * o for i, o in (LORA_TARGETS[t](actor.shape) for t in
+                                                           lora_targets(actor.shape, lo.lora_module_name)))
+        items += [("LoRA base weights kept", base * sd), ("LoRA adapters (fp32)", (actor.params - merged) * 4)]
     transient = [(w, b) for _, w, b in generation_items(cfg, copy, sdev, rows, prompt, prompt + answer, sd,
                                                         sampler=True)]
     items += transient + sdev.reserve_items(1)
     if not sdev.host:
         items.append(("allocator", math.ceil(ALLOCATOR_SLACK * sum(b for _, b in transient))))
     d = _dtype_bytes(cfg.model.dtype, dev)[0]  # the trainer's weights, as the update carries them
+    update = weight_update(cfg, actor, d, dev, sdev)
     experience, train = parts["experience"], parts["train"]
+    # s devices of the run's kind, each sampling its share of the rows (CPU ranks share the host's cores: none)
+    split = [] if dev.host else \
+        [calls * generation_seconds(copy, -(-rows // s), prompt, answer, d, dev) for s in range(1, ranks)]
     plan = RolloutsPlan(where, sdev.name, sname, a.max_staleness, rows, calls,
                         calls * generation_seconds(copy, rows, prompt, answer, sd, sdev), experience, train,
-                        merged * d, without, items, sdev.memory, ranks, device_index=index, notes=notes)
-
-    def sampling(s: int) -> float:  # s devices of the run's kind, each sampling its share of the rows
-        return calls * generation_seconds(copy, -(-rows // s), prompt, answer, d, dev) + plan.update_seconds
-
-    def training(t: int) -> float:  # data parallel over t ranks, the global batch kept
-        return (experience + train) * ranks / t + plan.update_seconds
-
-    plan.splits = [] if dev.host else balance(ranks, sampling, training)  # CPU ranks share the host's cores
+                        update, without, items, sdev.memory, ranks, device_index=index, split_generate=split,
+                        notes=notes)
     if index is None and not a.sampler and dev.host:
         plan.shares = "the host's cores with the training ranks"
-    plan.notes.append("the snapshot's checksum, ZeRO-3's gathers for it and the probe's forward not counted")
+    plan.notes.append("ZeRO-3's gathers for the update and the probe's forward not counted")
     return plan
+
+
+def weight_update(cfg: Any, actor: ModelPlan, d: int, dev: GPU, sdev: GPU) -> WeightUpdate:
+    """The weight update on the weight plane (``dschat.planning.rollouts.WeightUpdate``): the first carries every
+    weight (with LoRA the base weights and the adapters, ``actor.params``), each later one what trains
+    (``actor.trainable``: the adapters alone under ``--actor-only-optimize-lora``); the buckets and their capacity
+    from the first update's tensors (``update_tensors``), in the trainer's dtype (``d`` bytes). The weight group is
+    NCCL where the trainer (on ``dev``) and the sampler (on ``sdev``) are on GPUs (``RolloutsPlan.settle`` makes a
+    shared GPU gloo)."""
+    lo = cfg.lora_of("actor")
+    buckets, capacity = pack_buckets(update_tensors(actor.shape, d, lo.lora_dim, lo.lora_module_name))
+    return WeightUpdate(actor.params * d, actor.trainable * d, capacity, buckets, dev.bandwidth, sdev.bandwidth,
+                        trainer_gpu=not dev.host, sampler_gpu=not sdev.host, streaming=cfg.rollouts.max_staleness == 0,
+                        choice=cfg.rollouts.weight_staging, nccl=not dev.host and not sdev.host)
+
+
+def lora_targets(shape: ModelShape, modules: str = "all-linear") -> list[str]:
+    """The block projections that get adapters, as ``memory.lora_params`` selects them (``all-linear``: every
+    attention and MLP projection, never the LM head or the embeddings; else those whose family name holds one of the
+    comma-separated substrings, all of them where none does): ``LORA_TARGETS`` keys, whose ``(in, out)`` give
+    ``r (in + out)`` adapter parameters per layer each."""
+    names = LORA_NAMES.get(shape.model_type, {k: k for k in LORA_TARGETS})
+    targets = [t for t in LORA_TARGETS if t in names and (shape.gated or t != "gate_proj")]
+    wanted = [w.strip() for w in modules.split(",") if w.strip()]
+    if modules != "all-linear" and any(any(w in names[t] for t in targets) for w in wanted):
+        targets = [t for t in targets if any(w in names[t] for w in wanted)]
+    return targets
+
+
+def update_tensors(shape: ModelShape, d: int, lora_dim: int = 0, lora_modules: str = "all-linear") -> list[int]:
+    """The first weight update's tensors, bytes each, in the order the sender walks them
+    (``weight_plane.sources``): with LoRA every adapted projection first (its base weight, its bias, ``lora_A``
+    ``r x in``, ``lora_B`` ``out x r``), then every other parameter in the Llama layout's order (the embeddings, each
+    block's projections, biases and norms, the final norm, an untied LM head). Other families order a block's
+    tensors differently and GPT-2 holds q, k and v in one matrix: the bytes are the same, the grouping of the
+    small tensors into buckets (so their count) approximate."""
+    h, width = shape.hidden, shape.embed_proj or shape.hidden
+    biased = {"q_proj", "k_proj", "v_proj"} if shape.attn_bias == "qkv" else \
+        {"q_proj", "k_proj", "v_proj", "o_proj"} if shape.attn_bias == "all" else set()
+    if shape.mlp_bias:
+        biased |= {"gate_proj", "up_proj", "down_proj"}
+    adapted = set(lora_targets(shape, lora_modules)) if lora_dim > 0 else set()
+    norm = h * (2 if shape.layernorm_bias else 1)
+    front: list[int] = []
+    rest = [shape.vocab * width] + ([shape.positions * h] if shape.positions else []) + \
+        ([shape.embed_proj * h] * 2 if shape.embed_proj else [])
+    for _ in range(shape.layers):
+        for t, dims in LORA_TARGETS.items():
+            if t == "gate_proj" and not shape.gated:
+                continue
+            i, o = dims(shape)
+            own = [i * o] + ([o] if t in biased else [])
+            if t in adapted:
+                front += own + [lora_dim * i, o * lora_dim]
+            else:
+                rest += own
+        rest += [norm] * shape.norms_per_layer
+    rest += ([norm] if shape.final_norm else []) + ([shape.vocab * width] if not shape.tied else [])
+    return [n * d for n in front + rest]
 
 
 def graph_captures(shape: ModelShape, gen_rows: int, seq: int, d: int) -> list[tuple[str, str, int]]:

@@ -35,7 +35,6 @@ import collections
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -50,8 +49,8 @@ import torch
 from dschat import engine as E
 from dschat.errors import UserError
 from dschat.generation.decode import Generated, GenerationConfig, Prompts
-from dschat.generation.sampler import Answer, SamplerClient, SamplerLost
-from dschat.generation.weight_link import WeightLinkError, take_snapshot
+from dschat.generation.sampler import Answer, SamplerClient, SamplerLost, open_sampler
+from dschat.generation.weight_plane import Sender, Update, WeightLinkError
 from dschat.rlhf.rollout import episode_rows, repeat_prompts
 
 
@@ -149,7 +148,8 @@ class AsyncRollouts:
 
     def __init__(self, hybrid: Any, client: SamplerClient | None, max_staleness: int, version: int,
                  state: dict[str, Any], tensors: dict[str, torch.Tensor], timeout_s: float,
-                 process: subprocess.Popen | None = None, where: str = "", tokenizer: Any = None):
+                 process: subprocess.Popen | None = None, where: str = "", tokenizer: Any = None,
+                 staging: str = "auto"):
         self.hybrid, self.client, self.K, self.version = hybrid, client, max_staleness, version
         self.tokenizer = tokenizer  # episodes sampled ahead: their rows are made from the batch as the rollout does
         self.timeout_s, self.process, self.where = timeout_s, process, where
@@ -172,6 +172,12 @@ class AsyncRollouts:
         self.dropped = 0
         self.wait_s = self.sampler_s = 0.0
         self.sync: dict[str, float] = {}
+        keeping = client is not None
+        self.sender = Sender(hybrid.module, keeping, streaming=max_staleness == 0, staging=staging)
+        self.sent_full = False
+        if client is not None:
+            client.sender = self.sender
+            self.sender.group_device = client.group.device
         self._restore(state.get("async") or {}, tensors)
         self.updated(version)  # the sampler starts from the trainer's weights (a resumed run's too)
 
@@ -255,9 +261,13 @@ class AsyncRollouts:
         b, batch = self.current
         j = len(self.recording)  # the call's place among its batch's calls
         call = self._call_of(prompt, prompt_mask, batch, config, episodes is not None)
+        # each decision that chooses a collective path is taken for all ranks at once: one rank seeing otherwise
+        # (its batch off the pattern, its rows not the answers') would leave the others waiting
+        if E.any_rank(call is None):
+            call = None
         self.recording.append(call)
         ticket = self.tickets.pop((b, j), None)
-        if ticket is not None and ticket.call != call:
+        if ticket is not None and E.any_rank(ticket.call != call):
             self._drop(ticket)
             ticket = None
         while True:
@@ -269,7 +279,7 @@ class AsyncRollouts:
             answer = self._collect(ticket)
             fits = answer.sequences.shape[1] >= prompt.shape[1] and \
                 torch.equal(answer.sequences[:, :prompt.shape[1]], prompt.cpu().long())
-            if fits and self.version - answer.version <= self.K:
+            if not E.any_rank(not fits) and self.version - answer.version <= self.K:
                 break
             self._drop(ticket)  # too old (or not these prompts: a state resumed on other data): sampled again
             ticket = None
@@ -384,12 +394,21 @@ class AsyncRollouts:
 
     # ---------------------------------------------------------------------------------------------- weights
     def updated(self, version: int) -> None:
-        """The trainer's weights after update ``version``: sent to the sampler (every rank takes part in the
-        snapshot; the first keeps and sends it while training goes on)."""
+        """The trainer's weights after update ``version``: to the sampler over the weight plane. Every rank walks
+        them (ZeRO-3 gathers are collective, its prefetches settled first); the first stages each bucket, checksummed
+        on the device, while its courier sends what is staged (``weight_plane.Sender``): with ``K = 0`` as it is
+        packed, with ``K > 0`` once the sampler has answered the requests sent before it, training meanwhile. A
+        model with LoRA sends its base once, then the adapters alone."""
         self.version = version
-        snap = take_snapshot(self.hybrid.module, keeping=self.client is not None)
-        if self.client is not None and snap is not None:
-            self.pushes.append(self.client.push(snap, version))
+        module = self.hybrid.module
+        E.settle_partitions(self.hybrid.actor)
+        kind = "adapter" if self.sent_full and self.sender.layout("full").lora is not None else "full"
+        dtype = next((str(p.dtype) for p in module.parameters() if p.is_floating_point()), "torch.float32")
+        update = Update(version, self.sender.layout(kind), dtype)
+        if self.client is not None:  # first in the courier's queue, so a K = 0 update streams as it is packed
+            self.pushes.append(self.client.push(update))
+        self.sender.pack(update)
+        self.sent_full = True
 
     def take_metrics(self) -> dict[str, float]:
         """``async/*`` for the step just run, and ``sync/*`` of the last weight update the sampler has checked;
@@ -497,10 +516,13 @@ def reraise(failed: tuple[str, str]) -> BaseException:
 def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[str, Any],
                   tensors: dict[str, torch.Tensor], log: Any) -> Lockstep | AsyncRollouts:
     """Lockstep sampling, or asynchronous rollouts from a sampler this run starts (``--async-rollouts``) or one
-    started apart (``--sampler``), linked to the trainer's first rank, from the trainer's weights of ``step``."""
+    started apart (``--sampler``), connected to the trainer's first rank (``connect_sampler``), from the trainer's
+    weights of ``step``. A sampler that cannot be reached or refuses the run stops every rank in one line before
+    anything trains (exit 2: no state to keep yet)."""
     a = cfg.rollouts
     if not a.enabled:
         return Lockstep(hybrid)
+    from dschat.generation.channel import load_secret, new_secret
     from dschat.rlhf.config import sampler_devices
     from dschat.utils import address, free_port
 
@@ -515,20 +537,13 @@ def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[
     failed: Any = None
     if E.is_main():
         try:
+            secret = load_secret(a.sampler_token_file, "--sampler-token-file") if a.sampler else new_secret()
             if not a.sampler:
                 dtype = DTYPE_FLAGS.get(next(hybrid.module.parameters()).dtype, cfg.model.dtype)  # the trainer's own
-                process = start_sampler(cfg, port, device, cores, dtype)
+                cmd, env = sampler_launch(cfg, port, device, cores, dtype, secret)
+                process = start_sampler(cmd, env, cores)
                 log(f"started a sampler on {a.sampler_devices} (pid {process.pid}), at {host}:{port}")
-            wait_for_port(host, port, a.sampler_timeout, process)
-            try:
-                link = E.Link(host, port, 0, 2, a.sampler_timeout, cuda=E.device().type == "cuda", hosts=False)
-            except RuntimeError as e:
-                from dschat.errors import first_line
-
-                raise SamplerLost(f"the sampler at {host}:{port} did not take the link: {first_line(e)}") from None
-            client = SamplerClient(link)
-            if hybrid.agent is not None:  # the run's tools and environments, loaded on the sampler's side too
-                client.agent(asdict(cfg.agent)).result()
+            client = connect_sampler(cfg, hybrid, host, port, secret, process)
         except BaseException as e:
             if process is not None:
                 process.kill()
@@ -540,35 +555,98 @@ def make_rollouts(cfg: Any, hybrid: Any, tokenizer: Any, step: int, state: dict[
     if failed is not None:
         raise reraise(failed)
     return AsyncRollouts(hybrid, client, a.max_staleness, step, state, tensors, a.sampler_timeout, process, where,
-                         tokenizer)
+                         tokenizer, a.weight_staging)
+
+
+def run_settings(cfg: Any, hybrid: Any) -> dict[str, Any]:
+    """What a sampler learns of the run in the trainer's hello: the trainer's dtype, the longest sequence, K (vLLM
+    keeps ``K + 1`` adapters), the adapters' shape, the sampling settings (which log-probs vLLM must return), and
+    the tools and environments its episodes run."""
+    from dschat.generation.weight_plane import lora_spec
+
+    module = hybrid.module
+    return {"dtype": str(next(module.parameters()).dtype), "max_staleness": cfg.rollouts.max_staleness,
+            "max_model_len": cfg.data.max_prompt_seq_len + cfg.rl.max_answer_seq_len, "lora": lora_spec(module),
+            "sampling": {"temperature": cfg.rl.temperature, "top_p": cfg.rl.top_p, "top_k": cfg.rl.top_k},
+            "agent": asdict(cfg.agent) if hybrid.agent is not None else None}
+
+
+def connect_sampler(cfg: Any, hybrid: Any, host: str, port: int, secret: str,
+                    process: subprocess.Popen | None = None) -> SamplerClient:
+    """The first rank's side of the run's sampler (``sampler.open_sampler`` with the run's settings), its
+    weight sender attached by ``AsyncRollouts``."""
+    return open_sampler(host, port, secret, run_settings(cfg, hybrid), cfg.rollouts.sampler_timeout, process)
 
 
 DTYPE_FLAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# what a launcher tells its ranks: a sampler is not one of them
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
-def wait_for_port(host: str, port: int, timeout_s: float, process: subprocess.Popen | None) -> None:
-    """Until ``host:port`` takes a connection; a one-line error past ``timeout_s``, or at once if the sampler this
-    run started has exited."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process is not None and process.poll() is not None:
-            raise SamplerLost(f"the sampler exited with code {process.returncode} before it listened (its error is "
-                              "above)")
-        with socket.socket() as s:
-            s.settimeout(1.0)
-            if s.connect_ex((host, port)) == 0:
-                return
-        if time.monotonic() > deadline:
-            raise SamplerLost(f"no sampler answers at {host}:{port} within --sampler-timeout {timeout_s:g} s "
-                              "(start one with dschat sampler --listen HOST:PORT)")
-        time.sleep(0.2)
+def sampler_launch(cfg: Any, port: int, device: str, cores: list[int], dtype: str,
+                   secret: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of the ``dschat sampler`` this run starts: this run's actor in ``dtype``,
+    listening on the loopback at ``port``, with the run's secret in its environment (never on its command line,
+    which any user can read). ``cuda:N`` runs it with ``CUDA_VISIBLE_DEVICES`` set to that GPU alone (as this
+    process numbers it), so the sampler, its vLLM engine and its weight transfers all use their ``cuda:0``, that
+    GPU; no launcher variable reaches it. Every ``--vllm-*`` engine flag the run set reaches a vLLM sampler; on a
+    GPU it shares with a trainer rank (``--sampler-share-gpu``) it takes 0.3 of its memory and sleeps between
+    samples, as a colocated engine does, unless told otherwise."""
+    from dschat.config import VLLM_ENGINE_FLAGS
+    from dschat.generation.backends import resolve_backend
+    from dschat.rlhf.config import vllm_inert
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["DSCHAT_SAMPLER_TOKEN"] = secret
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    where = device
+    if device.startswith("cuda:"):
+        index = int(device.partition(":")[2])
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[index] if index < len(visible) else str(index)
+        where = "cuda:0"
+    cmd = [sys.executable, "-m", "dschat.cli", "sampler", "--model", cfg.actor.model, "--listen",
+           f"127.0.0.1:{port}", "--device", where, "--generation-backend", cfg.rl.generation_backend,
+           "--dtype", dtype, "--timeout", str(cfg.rollouts.sampler_timeout)]
+    if cores:
+        cmd += ["--threads", str(len(cores)), "--cpus", ",".join(map(str, cores))]
+    else:
+        cmd += ["--threads", str(torch.get_num_threads())]
+    if cfg.model.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    vllm = cfg.vllm
+    if resolve_backend(cfg.rl.generation_backend) == "vllm" or cfg.rl.generation_backend == "vllm":
+        values = {name: getattr(vllm, name) for name in VLLM_ENGINE_FLAGS}
+        if cfg.rollouts.sampler_share_gpu:
+            values["vllm_gpu_memory_utilization"] = values["vllm_gpu_memory_utilization"] or 0.3
+            values["vllm_enable_sleep"] = True if values["vllm_enable_sleep"] is None else values["vllm_enable_sleep"]
+        inert = vllm_inert("vllm", with_training=True) if where == "cpu" else {}
+        defaults = {"vllm_kv_cache_memory": 0, "vllm_tensor_parallel_size": 1}
+        for name, value in values.items():
+            if value is None or value == defaults.get(name) or name in inert:
+                continue
+            flag = "--" + name.replace("_", "-")
+            cmd += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return cmd, env
 
 
-def start_sampler(cfg: Any, port: int, device: str, cores: list[int], dtype: str) -> subprocess.Popen:
-    """``dschat sampler`` for this run's actor in ``dtype``, on ``device`` (and ``cores``, which this process then
-    leaves), listening on the loopback at ``port``; its messages go to this run's stderr. It is killed when this
-    process exits (it would also exit by itself, its trainer gone)."""
-    threads = torch.get_num_threads()
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the sampler gets SIGTERM when the trainer that started it dies, even by ``kill -9``."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_sampler(cmd: list[str], env: dict[str, str], cores: list[int]) -> subprocess.Popen:
+    """Start the sampler (``sampler_launch``) on ``cores`` (which this process then leaves); its messages go to this
+    run's stderr. It ends with this process: killed at exit, and (Linux) signalled by the kernel if this process
+    dies without an exit (it would also exit by itself at its first read, its trainer gone)."""
     if cores:
         mine = sorted(set(os.sched_getaffinity(0)) - set(cores))
         if mine:  # the trainer keeps the other cores: every thread of it (torch's pool is already running)
@@ -576,16 +654,6 @@ def start_sampler(cfg: Any, port: int, device: str, cores: list[int], dtype: str
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(tid), mine)
             torch.set_num_threads(len(mine))
-        threads = len(cores)
-    cmd = [sys.executable, "-m", "dschat.cli", "sampler", "--model", cfg.actor.model, "--listen",
-           f"127.0.0.1:{port}", "--device", device, "--generation-backend", cfg.rl.generation_backend,
-           "--dtype", dtype, "--timeout", str(cfg.rollouts.sampler_timeout), "--threads", str(threads)]
-    if cores:
-        cmd += ["--cpus", ",".join(map(str, cores))]
-    if cfg.model.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen(cmd, env=env)
+    process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     atexit.register(lambda: process.poll() is None and process.kill())
     return process

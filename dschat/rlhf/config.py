@@ -82,13 +82,24 @@ class AsyncArgs:
                            "node): asynchronous rollouts from it.")
     sampler_devices: str = arg("cpu", "Where --async-rollouts starts its sampler: cpu (as many threads as the "
                                       "trainer), cpu:CORES (e.g. cpu:1 or cpu:2-3: those cores alone, which the "
-                                      "trainer then leaves) or cuda:N.")
+                                      "trainer then leaves) or cuda:N (a GPU no trainer rank of this node uses, "
+                                      "unless --sampler-share-gpu).")
     max_staleness: int = arg(1, "Most updates an answer may lag behind the policy it trains (K): the sampler "
                                 "samples at most K updates ahead and an older answer is dropped. 0: every answer "
                                 "from the current weights, in lockstep (the synchronous run's figures).", low=0)
     sampler_timeout: float = arg(600.0, "Seconds the trainer waits for its sampler (to connect, and for each "
                                         "answer or weight update): past it the run stops with a state saved. "
                                         "Longer than the slowest batch's sampling.", above=0)
+    sampler_token_file: str = arg("", "--sampler: file holding the secret the sampler was started with (default: "
+                                      "$DSCHAT_SAMPLER_TOKEN); each side must prove it to the other. A sampler "
+                                      "this run starts gets a fresh one of its own.")
+    sampler_share_gpu: bool = arg(False, "Let --sampler-devices cuda:N name a GPU a trainer rank of this node trains "
+                                         "on (refused otherwise: both would hold it); the sampler's vLLM then takes "
+                                         "a share of its memory and sleeps between samples.")
+    weight_staging: str = arg("auto", "Where the trainer keeps a weight update while it waits to go to the sampler: "
+                                      "device (a copy on the trainer's GPU), host (pinned host memory) or auto "
+                                      "(the device when it has room for the copy twice over).",
+                              choices=("auto", "device", "host"))
 
     @property
     def enabled(self) -> bool:
@@ -97,9 +108,17 @@ class AsyncArgs:
     def inert_fields(self) -> dict[str, str]:
         if not self.enabled:
             return {f: "without --async-rollouts or --sampler" for f in
-                    ("sampler_devices", "max_staleness", "sampler_timeout")}
-        return {"sampler_devices": "with --sampler (a sampler started apart chose its devices)"} if self.sampler \
-            else {}
+                    ("sampler_devices", "max_staleness", "sampler_timeout", "sampler_token_file", "sampler_share_gpu",
+                     "weight_staging")}
+        out = {}
+        if self.sampler:
+            out["sampler_devices"] = "with --sampler (a sampler started apart chose its devices)"
+            out["sampler_share_gpu"] = "with --sampler (a sampler started apart chose its devices)"
+        else:
+            out["sampler_token_file"] = "with --async-rollouts (the sampler it starts gets a secret of its own)"
+            if not self.sampler_devices.startswith("cuda:"):
+                out["sampler_share_gpu"] = "without --sampler-devices cuda:N"
+        return out
 
 
 @dataclass
@@ -324,6 +343,7 @@ def check_config(cfg: RLHFConfig) -> None:
                             f"--generation-backend dschat")
     check_agent(cfg.agent, cfg.reward_func_names())
     check_async(cfg)
+    check_sampler_start(cfg)
     cfg.algorithm.check_config(cfg)
 
 
@@ -340,6 +360,36 @@ def check_async(cfg: RLHFConfig) -> None:
         address(a.sampler)
     else:
         sampler_devices(a.sampler_devices)
+
+
+def check_sampler_start(cfg: RLHFConfig) -> None:
+    """What stage 3 needs to start its sampler, checked before anything loads: the secret a sampler started apart
+    was given; for ``cuda:N``, a GPU no trainer rank of this node trains on (unless ``--sampler-share-gpu``)."""
+    a = cfg.rollouts
+    if not a.enabled:
+        return
+    if a.sampler:
+        from dschat.generation.channel import load_secret
+
+        load_secret(a.sampler_token_file, "--sampler-token-file")
+        return
+    device, _ = sampler_devices(a.sampler_devices)
+    if device.startswith("cuda:") and not a.sampler_share_gpu:
+        index = int(device.partition(":")[2])
+        trained = trainer_gpus()
+        if index in trained:
+            raise UserError(f"--sampler-devices {device}: a trainer rank of this node trains on it (GPUs "
+                            f"{', '.join(map(str, trained))}); name another GPU, or pass --sampler-share-gpu")
+
+
+def trainer_gpus() -> list[int]:
+    """The CUDA indices this node's trainer ranks take (``cuda:LOCAL_RANK`` for each rank the launcher started on
+    this node: torchrun's ``LOCAL_WORLD_SIZE``, DeepSpeed's ``LOCAL_SIZE``; one without a launcher), as this
+    process numbers them."""
+    import os
+
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"
+    return list(range(max(int(local), 1))) if local.isdigit() else [0]
 
 
 def sampler_devices(text: str) -> tuple[str, list[int]]:

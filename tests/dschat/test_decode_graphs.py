@@ -226,3 +226,30 @@ def test_zero3_generation_gathers_once_per_call(backend, monkeypatch):
         x = torch.randint(4, 100, (2, 8))
         eng.backward(eng(input_ids=x, labels=x).loss)
         eng.step()
+
+
+def test_a_capture_is_thread_local_so_the_courier_s_transfers_cannot_break_it(monkeypatch):
+    """A sampler's courier thread sends weight updates on a CUDA stream of its own while the trainer may capture a
+    token step: the capture runs in thread-local mode, where another thread's CUDA work neither joins the graph nor
+    fails it (global mode would fail a cudaMalloc made by the courier during the capture). Checked by running the
+    capture against recording stand-ins of torch.cuda's calls."""
+    import contextlib
+
+    seen: dict = {}
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def graph(g, pool=None, **kwargs):
+        seen.update(kwargs)
+        return contextlib.nullcontext()
+
+    for name, value in {"Stream": Stream, "current_stream": lambda: Stream(),
+                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": object, "graph": graph,
+                        "synchronize": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    model = model_of("llama")
+    dec = LeanLlama(model, GR.BATCH_BUCKET, GR.WIDTH_BUCKET)
+    GR.CapturedStep(dec, capture=True)
+    assert seen == {"capture_error_mode": "thread_local"}

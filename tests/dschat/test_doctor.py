@@ -388,47 +388,78 @@ def test_the_loader_returns_its_malformed_rows_and_the_doctor_reads_them(tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------ the sampler
-def step3(tmp_path: Path, gpu_reader=list, **flags) -> list:
+def step3(tmp_path: Path, gpu_reader=list, num_gpus: int | None = None, **flags) -> list:
     """The doctor on stage 3's flags (the tiny preset as actor and reward model, the demo prompts)."""
     return run_doctor(3, {"actor_model": "tiny", "reward_model": "tiny", "output_dir": str(tmp_path / "out"),
-                          **flags}, default_data=demo_data, gpu_reader=gpu_reader)
+                          **flags}, default_data=demo_data, gpu_reader=gpu_reader, num_gpus=num_gpus)
 
 
 def sampler_lines(found) -> list[tuple[str, str]]:
     return [(f.severity, f.message) for f in found if f.check == "sampler"]
 
 
-def test_a_sampler_started_apart_is_probed_with_one_tcp_connection(tmp_path):
-    with socket.socket() as listening:  # what a sampler's TCPStore is to a probe: a port that takes connections
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        addr = f"127.0.0.1:{listening.getsockname()[1]}"
-        found = step3(tmp_path, sampler=addr)
-    assert sampler_lines(found) == [(OK, f"the sampler at {addr} answers (a TCP connection, closed again; the run "
-                                         "itself joins the link)")]
+SECRET = "the doctor's test secret"
+
+
+def _sampler_listening(secret: str) -> tuple[str, list]:
+    """A listener that proves ``secret`` as a sampler's does (in a thread); its address, and what it saw."""
+    import threading
+
+    from dschat.generation.channel import accept, listen
+
+    sock = listen("127.0.0.1", 0)
+    seen: list = []
+
+    def serve() -> None:
+        try:
+            seen.append(accept(sock, secret, 30, seen.append).recv(5))
+        except Exception as e:  # noqa: BLE001 - what the listener saw is what the test reads
+            seen.append(e)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{sock.getsockname()[1]}", seen
+
+
+def test_a_sampler_started_apart_is_probed_with_the_run_s_secret(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHAT_SAMPLER_TOKEN", SECRET)
+    addr, _ = _sampler_listening(SECRET)
+    found = step3(tmp_path, sampler=addr)
+    assert sampler_lines(found) == [(OK, f"the sampler at {addr} answers and proves the run's secret")]
     assert not errors(found), errors(found)
+
+    addr, _ = _sampler_listening("another run's secret")
+    refused = sampler_lines(step3(tmp_path, sampler=addr))
+    assert len(refused) == 1 and refused[0][0] == ERROR
+    assert refused[0][1].startswith(f"the peer at {addr} is not this run's sampler: ")
 
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{closed.getsockname()[1]}"
     found = step3(tmp_path, sampler=addr)
-    assert sampler_lines(found) == [(ERROR, f"no sampler listens at {addr} (Connection refused): start one there "
-                                            f"with `dschat sampler --model tiny --listen {addr}`")]
-    assert errors(found) == [f"sampler: {sampler_lines(found)[0][1]}"]  # the only error, on one line
+    lines = sampler_lines(found)
+    assert len(lines) == 1 and lines[0][0] == ERROR and lines[0][1].startswith(f"no sampler answers at {addr} (")
+    assert lines[0][1].endswith(f"start one there with `dschat sampler --model tiny --listen {addr}`")
+    assert errors(found) == [f"sampler: {lines[0][1]}"]  # the only error, on one line
     assert [f.check for f in found][-2:] == ["sampler", "launcher"]  # reported after the output folder
+
+
+def test_a_sampler_started_apart_without_a_secret_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSCHAT_SAMPLER_TOKEN", raising=False)
+    found = step3(tmp_path, sampler="127.0.0.1:9")
+    assert any("prove a shared secret" in e for e in errors(found)), errors(found)
 
 
 def test_a_closed_sampler_port_fails_the_command_with_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DSCHAT_SAMPLER_TOKEN", SECRET)
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{closed.getsockname()[1]}"
     result = CliRunner().invoke(doctor_command, ["--step", "3", "--actor-model", "tiny", "--reward-model", "tiny",
                                                  "--sampler", addr])
     assert result.exit_code == 1, result.output
-    assert (f"\nerror sampler   no sampler listens at {addr} (Connection refused): start one there with `dschat "
-            f"sampler --model tiny --listen {addr}`\n") in result.output
-    assert result.output.splitlines()[-1].endswith(", 1 error(s)")
+    assert f"\nerror sampler   no sampler answers at {addr} (" in result.output, result.output
+    assert result.output.strip().splitlines()[-1].endswith(", 1 error(s)"), result.output
 
 
 def test_without_asynchronous_rollouts_there_is_no_sampler_line(tmp_path):
@@ -443,8 +474,15 @@ def test_async_rollouts_say_where_the_sampler_starts_and_check_its_gpu(tmp_path)
         (OK, "stage 3 starts a sampler on cpu (as many threads as the trainer)")]
     assert sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:1")) == [
         (OK, "stage 3 starts a sampler on cuda:1 (GPU 1, Fake-80GB, 79.00 GiB free)")]
-    shared = sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:0"))
-    assert shared[0][0] == OK and "a training rank uses GPU 0 too" in shared[0][1]
+    refused = errors(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:0",
+                           num_gpus=1))  # (the flags' check says it first, as the run would)
+    assert len(refused) == 1 and "trains on it" in refused[0] and "--sampler-share-gpu" in refused[0], refused
+    two_ranks = sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:1",
+                                    num_gpus=2))
+    assert two_ranks[0][0] == ERROR and "a training rank uses GPU 1 too (--num-gpus 2)" in two_ranks[0][1]
+    shared = sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:0",
+                                 sampler_share_gpu=True))
+    assert shared[0][0] == OK and "a training rank uses GPU 0 too (--sampler-share-gpu)" in shared[0][1]
     assert sampler_lines(step3(tmp_path, gpu_reader=lambda: two, async_rollouts=True, sampler_devices="cuda:3")) == [
         (ERROR, "--sampler-devices cuda:3: no GPU 3 here (2 visible: cuda:0, cuda:1); pick one of them or check "
                 "CUDA_VISIBLE_DEVICES")]

@@ -407,36 +407,72 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
 
 
+# The weight update of Llama-2-7B in bf16 on the weight plane, by hand: U = 2 P bytes; the buckets' capacity C is the
+# embedding's (and the untied LM head's) 32000 x 4096 x 2 bytes; the layout packs the embedding, each layer's seven
+# projections alone (each at least 32 MiB: q, k, v and o exactly), each layer's two norms together (the last with the
+# final norm) and the LM head: 1 + 32 x 8 + 1 buckets. Nominal rates: NCCL 100 GB/s, gloo 1.2 GB/s, pinned copies
+# 20 GB/s, CPU checksums 5 GB/s; A100-80GB 2.039 TB/s, the CPU entry 13 GB/s.
+LLAMA7_U = 2 * 6_738_415_616
+LLAMA7_C = 32000 * 4096 * 2
+LLAMA7_BUCKETS = 1 + 32 * 8 + 1
+A100_BW, CPU_BW = 2.039e12, 13e9
+
+
+def _update_by_hand(u: int, pinned: bool, sampler_bw: float = A100_BW) -> tuple[float, float, float, float]:
+    """(pack, NCCL, gloo, the sampler's side over NCCL) seconds of an update of ``u`` bytes from an A100 trainer:
+    the pack reads the weights, writes and sums each bucket (3 u / B), and with host staging copies it to pinned
+    memory (u / PCIe), which the courier copies back to the GPU for NCCL; gloo's broadcast and the CPU checksum;
+    the sampler sums and loads it (2 u / B_s)."""
+    pack = 3 * u / A100_BW + (u / 20e9 if pinned else 0)
+    nccl = u / 100e9 + (u / 20e9 if pinned else 0)
+    gloo = u / 1.2e9 + u / 5e9 + u / 20e9  # a GPU sampler: received in host memory, then copied in
+    return pack, nccl, gloo, nccl + 2 * u / sampler_bw
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_async_step_is_the_slower_side_and_lockstep_their_sum(n: int) -> None:
     plan = make_plan(3, ASYNC, num_gpus=n, suggest=False)
     parts, r = plan.throughput.parts, plan.throughput.rollouts
     assert r is not None and not r.lockstep and r.overlapped
     assert _close(parts["generate"], _generation_by_hand(64))  # the trainer's own call: 64 rows per rank
-    update = 2 * model_shape("llama-2-7b").params() / 10e9  # the bf16 weights at 10 GB/s on each side
-    assert r.update_bytes == 2 * model_shape("llama-2-7b").params() and _close(r.update_seconds, update)
+    assert model_shape("llama-2-7b").params() * 2 == LLAMA7_U
+    u = r.update
+    assert (u.first_bytes, u.bytes, r.update_bytes) == (LLAMA7_U, LLAMA7_U, LLAMA7_U)
+    assert (u.capacity, u.buckets) == (LLAMA7_C, LLAMA7_BUCKETS)
+    # K = 1 stages a whole update, each bucket in a buffer of its size (12.55 GiB): where twice that fits beside the
+    # trainer's peak, auto stages on the GPU, else in pinned host memory
+    room = plan.peak_bytes + 2 * LLAMA7_U < plan.memory
+    assert room == (n == 8)  # ZeRO's shards leave the room on 8 GPUs, not on 1 or 2
+    assert u.staging == ("device" if room else "host") and u.pinned == (not room) and u.wire == "NCCL"
+    assert u.staging_bytes == LLAMA7_U
+    pack, nccl, gloo, receive = _update_by_hand(LLAMA7_U, pinned=not room)
+    assert _close(u.pack_seconds, pack) and _close(u.nccl_seconds, nccl) and _close(u.gloo_seconds, gloo)
+    assert _close(r.update_seconds, nccl) and _close(u.receive_seconds, receive)
     # the sampler samples every rank's rows in one request on one device
     assert r.rows == 64 * n
-    sampling = _generation_by_hand(64 * n) + update
-    training = parts["experience"] + parts["train"] + update
+    sampling = _generation_by_hand(64 * n) + receive
+    training = parts["experience"] + parts["train"] + pack
     assert _close(r.sampling_seconds, sampling) and _close(r.training_seconds, training)
     assert _close(r.step_seconds, max(sampling, training))
     assert _close(r.lockstep_seconds, sampling + training)
     assert _close(r.speedup, (sampling + training) / max(sampling, training))
     assert _close(r.without_sampler_seconds, plan.throughput.step_seconds)
-    # the sampler's memory on its device: the whole bf16 actor and the KV cache of every row
+    # the sampler's memory on its device: the whole bf16 actor, the KV cache of every row, one receive buffer
     items = dict(r.sampler_items)
-    assert items["actor weights whole"] == r.update_bytes
+    assert items["actor weights whole"] == LLAMA7_U
     assert items[f"KV cache {64 * n} x 384 tokens"] == 64 * n * 384 * LLAMA7_KV_PER_TOKEN
+    assert items["weight update's receive buffer"] == LLAMA7_C
 
 
 def _splits_by_hand(n: int) -> list[tuple[float, float]]:
     """Each side's seconds with s = 1 .. n - 1 of ``n`` devices sampling: s devices sample ceil(64 n / s) rows
-    each, n - s train the same global batch (n / (n - s) of a rank's time at n ranks); both wait for the update."""
-    parts = make_plan(3, ASYNC, num_gpus=n, suggest=False).throughput.parts
-    update = 2 * model_shape("llama-2-7b").params() / 10e9
-    return [(_generation_by_hand(-(-64 * n // s)) + update,
-             (parts["experience"] + parts["train"]) * n / (n - s) + update) for s in range(1, n)]
+    each and receive the update over NCCL, n - s train the same global batch (n / (n - s) of a rank's time at n
+    ranks) and pack it (staged on the trainer's GPU where there is room, else in pinned host memory)."""
+    plan = make_plan(3, ASYNC, num_gpus=n, suggest=False)
+    parts = plan.throughput.parts
+    pack, _, _, receive = _update_by_hand(LLAMA7_U, pinned=plan.peak_bytes + 2 * LLAMA7_U >= plan.memory)
+    return [(_generation_by_hand(-(-64 * n // s)) + receive,
+             (parts["experience"] + parts["train"]) * n / (n - s) + pack) for s in range(1, n)]
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -457,6 +493,132 @@ def test_async_split_minimises_the_slower_side(n: int) -> None:
         assert "2 sampling + 6 training balance best" in plan.table()
         assert "this build runs one sampler process on one device per run" in plan.table()
         assert "1 sampling + 7 training" in plan.table()
+
+
+def test_async_lora_sends_the_base_once_then_the_adapters_alone() -> None:
+    plan = make_plan(3, {**ASYNC, "actor_lora_dim": 8}, num_gpus=8, suggest=False)
+    r = plan.throughput.rollouts
+    assert r is not None
+    # all-linear adapts q, k, v, o (4096 -> 4096), gate and up (4096 -> 11008) and down (11008 -> 4096) of each of
+    # the 32 layers: r (in + out) each, never the embeddings or the LM head
+    adapters = 32 * 8 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert adapters == lora_params(model_shape("llama-2-7b"), 8) == 19_988_480
+    u = r.update
+    assert u.bytes == r.update_bytes == 2 * adapters and u.first_bytes == LLAMA7_U + 2 * adapters
+    assert u.bytes < 0.01 * LLAMA7_U
+    # the later updates' figures are the adapters' (the first update's 12.59 GiB of staging fit on the GPU twice)
+    pack, nccl, _, receive = _update_by_hand(2 * adapters, pinned=False)
+    assert u.staging == "device" and _close(u.pack_seconds, pack) and _close(r.update_seconds, nccl)
+    assert _close(r.sampling_seconds - r.generate_seconds, receive)
+    # the sampler merges into its copy and keeps each adapted layer's base beside it, and the adapters in fp32
+    items = dict(r.sampler_items)
+    assert items["LoRA base weights kept"] == 2 * 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert items["LoRA adapters (fp32)"] == 4 * adapters
+    assert "(the first, with the base weights: 12.59 GiB)" in plan.table()
+    # base weights that train go with every update
+    full = make_plan(3, {**ASYNC, "actor_lora_dim": 8, "actor_only_optimize_lora": False}, num_gpus=8,
+                     suggest=False).throughput.rollouts
+    assert full is not None and full.update.bytes == full.update.first_bytes == LLAMA7_U + 2 * adapters
+
+
+def test_async_staging_streams_with_k_0_and_holds_a_whole_update_with_k_2() -> None:
+    zero = make_plan(3, {**ASYNC, "max_staleness": 0}, num_gpus=8, suggest=False)
+    two = make_plan(3, {**ASYNC, "max_staleness": 2}, num_gpus=8, suggest=False)
+    z, t = zero.throughput.rollouts, two.throughput.rollouts
+    assert z is not None and t is not None
+    # K = 0: two buffers of C; twice that fits beside the 48.85 GiB peak, so auto stages on the GPU: no pinned copy
+    assert z.update.limit == 2 and z.update.staging_bytes == 2 * LLAMA7_C
+    assert z.update.staging == "device" and z.update.device_bytes == 2 * LLAMA7_C and z.update.host_bytes == 0
+    assert zero.peak_bytes + 4 * LLAMA7_C < zero.memory
+    pack, nccl, _, receive = _update_by_hand(LLAMA7_U, pinned=False)
+    assert _close(z.update.pack_seconds, pack) and _close(z.update_seconds, nccl)
+    assert _close(z.training_seconds - z.experience_seconds - z.train_seconds, pack)
+    # K = 2: a whole update waits its turn, each bucket in a buffer of its own size: the update's bytes exactly;
+    # twice that fits beside the peak on an 80 GiB GPU (auto: the device)
+    assert t.update.limit == LLAMA7_BUCKETS and t.update.staging_bytes == LLAMA7_U
+    assert t.update.staging == "device" and t.update.device_bytes == LLAMA7_U and t.update.host_bytes == 0
+    assert "staged on the trainer's GPU: 12.55 GiB (258 buckets, each its own size: K = 2 holds a whole update)" \
+        in two.table()
+    assert "staged on the trainer's GPU: 500.0 MiB (2 buffers of 250.0 MiB: K = 0 streams it)" in zero.table()
+    data = two.to_json()["async_rollouts"]["weight_update"]
+    assert (data["staging"], data["host_bytes"], data["device_bytes"]) == ("device", 0, LLAMA7_U)
+    # on a 40 GiB GPU the staging has no room twice over beside the peak: pinned host memory, the GPU keeping the
+    # bucket it packs in and the one it broadcasts from
+    small = make_plan(3, {**ASYNC, "max_staleness": 2}, num_gpus=8, gpu="A100-40GB", suggest=False)
+    s = small.throughput.rollouts
+    assert s is not None and s.update.staging == "host" and s.update.pinned
+    assert s.update.host_bytes == LLAMA7_U and s.update.device_bytes == 2 * LLAMA7_C
+    # --weight-staging device forces the 12.55 GiB onto the 40 GiB GPU: beside the peak it does not fit, and the
+    # verdict says so
+    forced = make_plan(3, {**ASYNC, "max_staleness": 2, "weight_staging": "device"}, num_gpus=8, gpu="A100-40GB",
+                       suggest=False)
+    f = forced.throughput.rollouts
+    assert f is not None and f.update.staging == "device" and f.update.device_bytes == LLAMA7_U
+    assert forced.peak_bytes + LLAMA7_U > forced.memory and not f.trainer_fits and not forced.fits
+
+
+@pytest.mark.parametrize("lora", [(0, "all-linear"), (8, "all-linear"), (4, "q_proj,v_proj")])
+@pytest.mark.parametrize("tied", [True, False])
+def test_planned_buckets_are_the_weight_plane_s(lora: tuple[int, str], tied: bool) -> None:
+    """The plan's first update (its tensors in the sender's order, packed as ``plan_layout`` packs them) against the
+    weight plane's own layout of a small Llama, with and without LoRA, at bucket sizes that group small tensors."""
+    pytest.importorskip("peft")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dschat.config import LoraArgs
+    from dschat.generation import weight_plane as W
+    from dschat.models.lora import apply_lora
+    from dschat.planning.plan import update_tensors
+    from dschat.planning.rollouts import BUCKET_BYTES, pack_buckets
+    from dschat.planning.shapes import shape_from_config
+
+    assert BUCKET_BYTES == W.BUCKET_BYTES
+    config = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    r, modules = lora
+    if r:
+        apply_lora(model, LoraArgs(lora_dim=r, lora_module_name=modules))
+    shape = shape_from_config(config)
+    tensors = update_tensors(shape, 4, r, modules)
+    assert sum(tensors) == 4 * (shape.params() + lora_params(shape, r, modules))
+    for bucket_bytes in (1000, 4096, 10000, BUCKET_BYTES):
+        layout = W.plan_layout(model, "full", bucket_bytes)
+        assert pack_buckets(tensors, bucket_bytes) == (len(layout.buckets), layout.capacity)
+
+
+def test_lora_targets_count_what_lora_params_counts() -> None:
+    from dschat.planning.memory import LORA_TARGETS
+    from dschat.planning.plan import lora_targets
+
+    for name in ("llama-2-7b", "opt-1.3b", "qwen2.5-0.5b"):
+        shape = model_shape(name)
+        for modules in ("all-linear", "q_proj,v_proj", "fc1", "decoder.layers."):
+            targets = lora_targets(shape, modules)
+            assert shape.layers * sum(8 * sum(LORA_TARGETS[t](shape)) for t in targets) == \
+                lora_params(shape, 8, modules)
+    assert lora_targets(model_shape("llama-2-7b"), "q_proj,v_proj") == ["q_proj", "v_proj"]
+
+
+def test_async_cpu_sampler_on_a_gpu_run_goes_over_gloo() -> None:
+    values = {**ASYNC, "sampler": "", "async_rollouts": True, "sampler_devices": "cpu"}
+    plan = make_plan(3, values, num_gpus=8, suggest=False)
+    r = plan.throughput.rollouts
+    assert r is not None and r.device == "CPU" and r.update.wire == "gloo" and not r.update.nccl
+    # gloo stages on the host whatever auto finds; a CPU sampler receives on its own device: no copy in
+    gloo = LLAMA7_U / 1.2e9 + LLAMA7_U / 5e9
+    pack, nccl, _, _ = _update_by_hand(LLAMA7_U, pinned=True)
+    u = r.update
+    assert u.staging == "host" and u.pinned and u.device_bytes == LLAMA7_C  # the bucket packed on the GPU
+    assert _close(u.gloo_seconds, gloo) and _close(r.update_seconds, gloo) and _close(u.nccl_seconds, nccl)
+    assert _close(r.sampling_seconds, r.generate_seconds + gloo + 2 * LLAMA7_U / CPU_BW)
+    assert _close(r.training_seconds, r.experience_seconds + r.train_seconds + pack)
+    assert dict(r.sampler_items)["weight update's receive buffer"] == LLAMA7_C
+    assert "(this run: gloo)" in plan.table()
+    data = plan.to_json()["async_rollouts"]
+    assert data["weight_update"]["wire"] == "gloo" and data["update_seconds"] == data["weight_update"]["gloo_seconds"]
 
 
 def test_balance_picks_the_split_whose_slower_side_is_fastest() -> None:
@@ -494,10 +656,16 @@ def test_async_on_one_device_has_no_split_and_a_shared_gpu_counts_no_overlap() -
     r = shared.throughput.rollouts
     assert r is not None and r.shares and not r.overlapped
     assert _close(r.step_seconds, r.sampling_seconds + r.training_seconds)
-    assert r.shared_peak == shared.peak_bytes + r.sampler_bytes
+    # two processes on one GPU: gloo, received in host memory (not on the GPU) and copied in; the first rank's
+    # bucket it packs in, on the same cuda:0, counts in the GPU's peak too
+    assert r.update.wire == "gloo" and r.update.staging == "host" and r.update.device_bytes == LLAMA7_C
+    assert _close(r.update_seconds, _update_by_hand(LLAMA7_U, pinned=True)[2])
+    assert "weight update's receive buffer" not in dict(r.sampler_items)
+    assert r.shared_peak == shared.peak_bytes + r.sampler_bytes + LLAMA7_C
     # a GPU of its own (cuda:1 with one training rank) overlaps
     own = make_plan(3, {**values, "sampler_devices": "cuda:1"}, suggest=False).throughput.rollouts
     assert own is not None and not own.shares and own.overlapped and not own.shared_peak
+    assert own.update.wire == "NCCL" and dict(own.sampler_items)["weight update's receive buffer"] == LLAMA7_C
     # the default, the CPU: planned on the CPU entry of the device table, in fp32
     cpu = make_plan(3, {**values, "sampler_devices": "cpu"}, suggest=False).throughput.rollouts
     assert cpu is not None and cpu.device == "CPU" and cpu.dtype == "fp32" and not cpu.shares
@@ -531,14 +699,33 @@ def test_async_figures_in_text_and_json() -> None:
     assert f"{_secs(r.step_seconds)} per update overlapped (the slower side)" in out
     assert f"against {_secs(r.lockstep_seconds)} in lockstep (the sum), {r.speedup:.2f}x" in out
     assert f"{r.best.sampler_devices} sampling + {r.best.trainer_devices} training balance best" in out
-    assert "sampler memory:" in out and "async assuming the update's" in out
+    assert "sampler memory:" in out
+    # the update by hand: OPT-1.3B's bf16 weights, buckets as large as its tied 50272 x 2048 embedding; a whole
+    # update staged (K = 1) has room twice over beside the peak, so the GPU holds it, and NCCL to the sampler
+    u, big = 2 * model_shape("opt-1.3b").params(), 50272 * 2048 * 2
+    assert (r.update.bytes, r.update.first_bytes, r.update.capacity) == (u, u, big)
+    assert plan.peak_bytes + 2 * u < plan.memory and not r.update.pinned and r.update.staging == "device"
+    pack, nccl, gloo, receive = _update_by_hand(u, pinned=False)
+    from dschat.units import fmt_bytes
+
+    assert (f"weight update: {fmt_bytes(u)} each, {r.update.buckets} buckets of up to {fmt_bytes(big)}; packed in "
+            f"{_secs(pack)} on the trainer") in out
+    assert f"over NCCL {_secs(nccl)}, over gloo {_secs(gloo)} (this run: NCCL)" in out
+    assert f"staged on the trainer's GPU: {fmt_bytes(u)} ({r.update.buckets} buckets, each its own size" in out
+    assert f"the sampler's receive buffer {fmt_bytes(big)} on its device" in out
+    assert "async assuming NCCL 100 GB/s, gloo 1.2 GB/s, pinned copies 20 GB/s" in out
     code, out = _cli(["--step", "3", "--num-gpus", "8", "--actor-model", "opt-1.3b", "--reward-model", "opt-350m",
                       "--sampler", "10.0.0.2:5555", "--json"])
     data = json.loads(out)["async_rollouts"]
     assert code == 0 and data["step_seconds"] == max(data["sampling_seconds"], data["training_seconds"])
     assert data["lockstep_seconds"] == data["sampling_seconds"] + data["training_seconds"]
     assert data["split"]["sampler_devices"] == r.best.sampler_devices and len(data["splits"]) == 7
-    assert data["rows_per_call"] == 8 * 8 and data["update_bytes"] == r.update_bytes
+    assert data["rows_per_call"] == 8 * 8 and data["update_bytes"] == u and _close(data["update_seconds"], nccl)
+    w = data["weight_update"]
+    assert (w["first_bytes"], w["bytes"], w["capacity"], w["wire"], w["staging"]) == (u, u, big, "nccl", "device")
+    assert _close(w["pack_seconds"], pack) and _close(w["nccl_seconds"], nccl) and _close(w["gloo_seconds"], gloo)
+    assert _close(w["receive_seconds"], receive) and w["host_bytes"] == 0 and w["staging_bytes"] == u
+    assert w["device_bytes"] == u and w["receive_buffer_on"] == "device"
     # without the flags: no async figures
     assert json.loads(_cli(["--step", "3", "--actor-model", "opt-1.3b", "--reward-model", "opt-350m",
                             "--json"])[1])["async_rollouts"] is None

@@ -1,13 +1,19 @@
-"""``dschat sampler``: a policy's copy in a process of its own (``dschat.generation.sampler``), fed weight updates
-and batches of prompts over a link by a trainer (here the test process). Checked: its answers are the ones the
-trainer's own copy samples with the same seed, their log-probs too, and they carry the version of the weights
-that sampled them; a sampler killed mid-request fails the trainer's next read in one line within the timeout; a
-trainer that is gone makes the sampler exit by itself, in one line."""
+"""``dschat sampler``: a policy in a process of its own (``dschat.generation.sampler``), fed weight updates over the
+weight plane and batches of prompts over its control channel by a trainer (here the test process). Checked: its
+answers are the ones the trainer's own copy samples with the same seed, their log-probs too, and they carry the
+version of the weights that sampled them; a sampler killed mid-request fails the trainer's next read in one line
+within the timeout; a trainer that is gone makes the sampler exit by itself, in one line. Its channel: a peer
+without the run's secret is refused on both sides and nothing it sent is used; the sampler listens at exactly the
+address asked; every malformed message stops it in one line with exit code 2; a silent peer is given up within its
+timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -16,16 +22,20 @@ from typing import Any
 import pytest
 import torch
 
-from dschat import engine as E
 from dschat.devices import forked_rng
+from dschat.errors import UserError
 from dschat.generation.backends import generate
+from dschat.generation.channel import MAGIC, connect
 from dschat.generation.decode import DschatBackend, GenerationConfig, Prompts
-from dschat.generation.sampler import SamplerClient, SamplerLost
-from dschat.generation.weight_link import take_snapshot
+from dschat.generation.sampler import SamplerLost, open_sampler
+from dschat.generation.weight_plane import Sender, Update
 from dschat.utils import free_port
 from tests.helpers import ROOT
 
 TIMEOUT = 60
+SECRET = "t" * 40
+RUN = {"dtype": "torch.float32", "max_staleness": 1, "max_model_len": 256, "lora": None,
+       "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}, "agent": None}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +46,13 @@ def tiny() -> tuple[str, Any]:
     return path, load_tokenizer(path)
 
 
-def _start(path: str, port: int, timeout: float = TIMEOUT) -> subprocess.Popen:
+def _start(path: str, port: int, timeout: float = TIMEOUT, secret: str = SECRET, host: str = "127.0.0.1",
+           backend: str = "dschat") -> subprocess.Popen:
+    env = {**os.environ, "DSCHAT_SAMPLER_TOKEN": secret}
     return subprocess.Popen([sys.executable, "-m", "dschat.cli", "sampler", "--model", path, "--listen",
-                             f"127.0.0.1:{port}", "--device", "cpu", "--generation-backend", "dschat", "--timeout",
-                             str(timeout)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             f"{host}:{port}", "--device", "cpu", "--generation-backend", backend, "--timeout",
+                             str(timeout)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
 
 
 def _prompts(tok: Any) -> Prompts:
@@ -53,6 +66,27 @@ def _local(model: Any, prompts: Prompts, settings: GenerationConfig, seed: int) 
         return generate(DschatBackend(), model, prompts, settings)
 
 
+def push(client: Any, model: Any, version: int) -> Any:
+    """A weight update as stage 3 makes one: queued on the courier, then packed here."""
+    if client.sender is None:
+        client.sender = Sender(model, keeping=True, streaming=True)
+        client.sender.group_device = client.group.device
+    update = Update(version, client.sender.layout("full"), "torch.float32")
+    future = client.push(update)
+    client.sender.pack(update)
+    return future
+
+
+def _wait_listening(port: int, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read() if proc.stderr else "exited")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
 def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails_the_trainer_in_one_line(tiny):
     from dschat.models.loading import create_causal_lm
 
@@ -60,8 +94,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
     port = free_port()
     proc = _start(path, port)
     try:
-        link = E.Link("127.0.0.1", port, 0, 2, TIMEOUT, hosts=False)
-        client = SamplerClient(link)
+        client = open_sampler("127.0.0.1", port, SECRET, RUN, TIMEOUT, proc)
         model = create_causal_lm(path).eval()
         torch.manual_seed(3)
         with torch.no_grad():  # the trainer's policy moved away from the sampler's starting weights
@@ -69,7 +102,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
                 p.add_(torch.randn_like(p) * 0.02)
         settings = GenerationConfig(max_new_tokens=12, temperature=1.0, logprobs=True)
         prompts = _prompts(tok)
-        pushed = client.push(take_snapshot(model), version=1)
+        pushed = push(client, model, version=1)
         first = client.sample(prompts, settings, seed=5)  # in flight together: the courier sends them in order
         second = client.sample(prompts, settings, seed=6)
         assert pushed.result(TIMEOUT)["sync/bytes"] > 0
@@ -88,7 +121,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.5)
-        client.push(take_snapshot(model), version=2)
+        push(client, model, version=2)
         third = client.sample(prompts, settings, seed=5).result(TIMEOUT)
         assert third.version == 2 and torch.equal(third.sequences, _local(model, prompts, settings, 5).sequences)
         assert not torch.equal(third.sequences, first.sequences)
@@ -99,7 +132,7 @@ def test_the_sampler_answers_as_the_trainer_s_own_copy_would_and_its_death_fails
         t0 = time.monotonic()
         with pytest.raises(SamplerLost) as caught:
             pending.result(TIMEOUT + 5)
-        assert time.monotonic() - t0 < TIMEOUT + 5
+        assert time.monotonic() - t0 < 10  # a peer gone is seen at once
         message = str(caught.value)  # killed before or after the courier sent the request
         assert message.startswith(("the sampler died or stopped answering: ",
                                    "the sampler is gone (sending a request)"))
@@ -115,25 +148,131 @@ def test_a_sampler_told_to_stop_exits_0(tiny):
     port = free_port()
     proc = _start(path, port)
     try:
-        SamplerClient(E.Link("127.0.0.1", port, 0, 2, TIMEOUT, hosts=False)).stop()
+        open_sampler("127.0.0.1", port, SECRET, RUN, TIMEOUT, proc).stop()
         assert proc.wait(TIMEOUT) == 0
     finally:
         proc.kill()
 
 
-def test_a_sampler_whose_trainer_is_gone_exits_by_itself(tiny, tmp_path):
+def _last_line(proc: subprocess.Popen, wait: float = TIMEOUT) -> tuple[int, str]:
+    code = proc.wait(wait)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "Traceback" not in err, err[-3000:]
+    return code, err.strip().splitlines()[-1]
+
+
+def test_a_sampler_whose_trainer_is_gone_exits_by_itself(tiny):
     path, _ = tiny
     port = free_port()
     proc = _start(path, port)  # a peer that vanishes is seen at once, not at the timeout
     trainer = subprocess.run([sys.executable, "-c", (
-        "import os\nfrom dschat import engine as E\nfrom dschat.generation.sampler import SamplerClient\n"
-        f"c = SamplerClient(E.Link('127.0.0.1', {port}, 0, 2, {TIMEOUT}, hosts=False))\nos._exit(9)\n")],
+        "import os\nfrom dschat.generation.sampler import open_sampler\n"
+        f"c = open_sampler('127.0.0.1', {port}, {SECRET!r}, {RUN!r}, {TIMEOUT})\nos._exit(9)\n")],
         cwd=ROOT, capture_output=True, text=True, timeout=3 * TIMEOUT)
     assert trainer.returncode == 9, trainer.stderr[-2000:]
     try:
-        code = proc.wait(TIMEOUT)
+        code, last = _last_line(proc)
     finally:
         proc.kill()
-    err = proc.stderr.read() if proc.stderr else ""
-    assert code == 2 and err.strip().splitlines()[-1].startswith("dschat: error: the trainer is gone: "), err[-2000:]
-    assert "Traceback" not in err
+    assert code == 2 and last.startswith("dschat: error: the trainer is gone: "), last
+
+
+# ------------------------------------------------------------------------------------------- the channel
+def test_a_peer_without_the_secret_is_refused_on_both_sides_and_the_real_trainer_then_served(tiny):
+    path, _ = tiny
+    port = free_port()
+    proc = _start(path, port)
+    try:
+        with pytest.raises(UserError) as caught:  # an impostor trainer: refused, the sampler waits on
+            open_sampler("127.0.0.1", port, "x" * 40, RUN, TIMEOUT, proc)
+        assert "refused this side's secret" in str(caught.value) and "\n" not in str(caught.value)
+        client = open_sampler("127.0.0.1", port, SECRET, RUN, TIMEOUT, proc)  # the run's own trainer
+        client.stop()
+        code, _ = _last_line(proc)
+        assert code == 0
+    finally:
+        proc.kill()
+    # a listener without the secret where the trainer expects its sampler: the trainer refuses it, in one line
+    from dschat.generation.channel import accept, listen
+
+    impostor = listen("127.0.0.1", 0)
+    import threading
+
+    seen: list[str] = []
+    threading.Thread(target=lambda: _accept_quietly(accept, impostor, seen), daemon=True).start()
+    with pytest.raises(UserError) as caught:
+        open_sampler("127.0.0.1", impostor.getsockname()[1], SECRET, RUN, TIMEOUT)
+    assert "it is not this run's sampler" in str(caught.value) and "\n" not in str(caught.value)
+    impostor.close()
+
+
+def _accept_quietly(accept: Any, listener: Any, seen: list[str]) -> None:
+    try:
+        accept(listener, "i" * 40, 10, seen.append)
+    except Exception:  # noqa: BLE001 - the impostor's own fate is not under test
+        pass
+
+
+def test_the_sampler_listens_at_exactly_the_address_asked(tiny):
+    path, _ = tiny
+    port = free_port()
+    proc = _start(path, port)
+    try:
+        _wait_listening(port, proc)
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+        local = [line.split()[3] for line in listening.splitlines() if line.strip()]  # the local address column
+        assert local == [f"127.0.0.1:{port}"], listening
+    finally:
+        proc.kill()
+
+
+def _send_raw(port: int, frame: bytes) -> None:
+    """Prove the secret, then send ``frame`` as is."""
+    ch = connect("127.0.0.1", port, SECRET, TIMEOUT)
+    ch.sock.sendall(frame)
+    time.sleep(0.5)
+    ch.close()
+
+
+def _frame(obj: Any, raw: bytes | None = None) -> bytes:
+    head = raw if raw is not None else json.dumps(obj).encode()
+    return MAGIC + struct.pack(">I", len(head)) + head
+
+
+BAD_FRAMES = {
+    "a claimed length of 2^32 - 1": MAGIC + struct.pack(">I", 2**32 - 1),
+    "not a dschat frame": b"GET / HTTP/1.1\r\n\r\n",
+    "not JSON": _frame(None, b"{not json"),
+    "not UTF-8": _frame(None, b'{"m": "\xff\xfe"}'),
+    "nested 200k deep": _frame(None, b"[" * 200_000 + b"]" * 200_000),
+    "a NaN temperature": _frame(None, b'{"m": {"op": "hello", "run": {}}, "t": [["float32", [1]]], "x": NaN}'),
+    "a negative tensor size": _frame({"m": {"op": "ping"}, "t": [["float32", [-4]]]}),
+    "an unknown op": _frame({"m": {"op": "format_disk"}, "t": []}),
+    "sampling before hello": _frame({"m": {"op": "sample"}, "t": []}),
+    "a hello without its run": _frame({"m": {"op": "hello"}, "t": []}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FRAMES))
+def test_a_malformed_message_stops_the_sampler_in_one_line_with_exit_code_2(tiny, case):
+    path, _ = tiny
+    port = free_port()
+    proc = _start(path, port, timeout=20)
+    try:
+        _wait_listening(port, proc)
+        _send_raw(port, BAD_FRAMES[case])
+        code, last = _last_line(proc, 30)
+    finally:
+        proc.kill()
+    assert code == 2 and last.startswith("dschat: error: "), (case, last)
+
+
+def test_a_silent_listener_is_given_up_within_the_timeout(tiny):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # takes the connection, never says a word
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        open_sampler("127.0.0.1", silent.getsockname()[1], SECRET, RUN, 5)
+    assert time.monotonic() - t0 < 5 + 5 and "\n" not in str(caught.value)
+    silent.close()

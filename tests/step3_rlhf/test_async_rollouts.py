@@ -94,9 +94,9 @@ def test_every_sampling_algorithm_trains_on_answers_at_most_K_updates_old(tmp_pa
 
 
 def test_a_damaged_weight_update_stops_the_run_in_one_line(tmp_path):
-    from dschat.generation import weight_link as W
+    from dschat.generation import weight_plane as W
 
-    W.CORRUPT = lambda flat: flat.view(-1)[:1].add_(1.0) if flat.dtype.is_floating_point else None
+    W.CORRUPT = lambda flat: flat[:1].add_(1)  # one byte of each bucket, after its checksum was taken
     try:
         with pytest.raises(UserError) as caught:
             run(cfg_of(tmp_path / "bad", async_rollouts=True, max_staleness=1))
@@ -204,15 +204,18 @@ def test_a_trainer_on_two_loopback_nodes_samples_from_a_sampler_started_apart(tm
     from dschat.utils import free_port
 
     port = free_port()
+    token = tmp_path / "sampler.token"  # the secret both sides prove: a file for the trainer, the variable here
+    token.write_text("the run's shared secret, 2026\n")
     sampler = subprocess.Popen([sys.executable, "-m", "dschat.cli", "sampler", "--model", "tiny", "--listen",
                                 f"127.0.0.1:{port}", "--device", "cpu", "--generation-backend", "dschat",
                                 "--timeout", "120"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, env={**os.environ, "DSCHAT_SAMPLER_TOKEN": "the run's shared secret, 2026"})
     out = tmp_path / "out"
     args = ["--algo", "grpo", "--actor-model", "tiny", "--data", str(demo_files()["prompts"]), "--max-steps", "3",
             "--max-answer-seq-len", "10", "--per-device-generation-batch-size", "2", "--num-generations", "2",
             "--per-device-train-batch-size", "2", "--max-eval-rows", "4", "--per-device-eval-batch-size", "2",
-            "--no-progress", "--sampler", f"127.0.0.1:{port}", "--max-staleness", "1", "--output-dir", str(out)]
+            "--no-progress", "--sampler", f"127.0.0.1:{port}", "--sampler-token-file", str(token),
+            "--max-staleness", "1", "--output-dir", str(out)]
     try:
         codes, logs = run_two_nodes(tmp_path, lambda rank: args, extra_env={"STEP": "3", **cuda_only_world(tmp_path)})
         assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
