@@ -54,7 +54,7 @@ from dschat.errors import ExitCode, UserError, first_line
 from dschat.generation.backends import generate
 from dschat.generation.channel import BadMessage, Channel, ChannelClosed, Fields
 from dschat.generation.decode import Backend, GenerationConfig, Prompts
-from dschat.generation.weight_plane import KINDS, Layout, Sender, Update, WeightLinkError, verdict_of
+from dschat.generation.weight_plane import Sender, Update, take_update
 
 PING_S = 10.0  # the longest the courier stays silent while idle
 
@@ -398,22 +398,7 @@ class SamplerServer:
             raise UserError(f"the weight group: {problem}")
 
     def _weights(self, msg: dict[str, Any], _: list[torch.Tensor]) -> None:
-        f = Fields(msg, "weights")
-        version, layout = f.int("version", 0), Layout.from_json(msg.get("layout"))
-        if layout.kind not in KINDS:
-            raise BadMessage("weights.layout.kind: unknown")
-        try:
-            sums = self.engine.receive(layout, version)
-        except RuntimeError as e:
-            raise UserError(f"the trainer is gone (weight update {version}): {first_line(e)}") from None
-        end, _ = self.channel.recv()
-        if Fields(end, "weights_end").str("op", ("weights_end",)) != "weights_end" or end.get("version") != version:
-            raise BadMessage(f"weights_end: not the end of weight update {version}")
-        problem = verdict_of(self.engine, layout, sums, end)
-        self._reply(problem)
-        if problem:
-            raise WeightLinkError(f"weight update {version}: {problem}; the sampler stops")
-        self.version = version
+        self.version = take_update(self.channel, self.engine, msg)
 
     @torch.no_grad()
     def _answer(self, msg: dict[str, Any], tensors: list[torch.Tensor]) -> None:

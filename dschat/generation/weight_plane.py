@@ -662,3 +662,26 @@ def entries_of(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[Entry, torc
     """A bucket's tensors, each a view of ``flat`` (its typed elements) in its shape."""
     for e in bucket.entries:
         yield e, flat[e.offset:e.offset + e.numel].view(e.shape)
+
+
+def take_update(channel: Any, receiver: Any, head: dict[str, Any]) -> int:
+    """A receiver's whole part of one update, its ``weights`` message ``head`` read: the buckets into ``receiver``
+    (``ModuleReceiver``, a fed vLLM engine), the trainer's ``weights_end``, the checks, the verdict sent back. Returns
+    the update's version; ``WeightLinkError`` (after telling the trainer) when it failed its checks, ``UserError``
+    when the trainer is gone mid-update, ``BadMessage`` for messages out of place."""
+    from dschat.errors import first_line
+    from dschat.generation.channel import BadMessage, Fields
+
+    version, layout = Fields(head, "weights").int("version", 0), Layout.from_json(head.get("layout"))
+    try:
+        sums = receiver.receive(layout, version)
+    except RuntimeError as e:
+        raise UserError(f"the trainer is gone (weight update {version}): {first_line(e)}") from None
+    end, _ = channel.recv()
+    if Fields(end, "weights_end").str("op", ("weights_end",)) != "weights_end" or end.get("version") != version:
+        raise BadMessage(f"weights_end: not the end of weight update {version}")
+    problem = verdict_of(receiver, layout, sums, end)
+    channel.send({"ok": not problem, "message": problem})
+    if problem:
+        raise WeightLinkError(f"weight update {version}: {problem}; the sampler stops")
+    return version

@@ -88,14 +88,7 @@ def send(sender: W.Sender, ch: Any, group: Any, version: int, kind: str = "full"
 
 def receive(receiver: W.ModuleReceiver, ch: Any) -> int:
     head, _ = ch.recv()
-    layout = W.Layout.from_json(head["layout"])
-    sums = receiver.receive(layout, head["version"])
-    end, _ = ch.recv()
-    problem = W.verdict_of(receiver, layout, sums, end)
-    ch.send({"ok": not problem, "message": problem})
-    if problem:
-        raise W.WeightLinkError(f"weight update {head['version']}: {problem}; the sampler stops")
-    return int(head["version"])
+    return W.take_update(ch, receiver, head)
 
 
 def _side(rank: int, port: int, out: str) -> None:
