@@ -25,6 +25,17 @@ check stays under 8 minutes on one H100/H200); a part is not started with less t
   beside ``dschat plan --json`` with the same flags.
 * ``ppo``: PPO at the GRPO row's sizes (64 prompts of 256-token answers per step), actor and critic at ZeRO 0,
   on stage 1's and stage 2's models.
+* ``weights``: the weight plane (``dschat.generation.weight_plane``) on the same model, each row measured where
+  the device allows and else ``skipped`` with the reason: ``copy``, the device's own copy bandwidth (``copy_`` of
+  a buffer of an update's size, CUDA events); ``pack``, the trainer's packing and checksumming of the model into
+  staging on its GPU (``Sender.pack``, the probe left out), its GB/s and ``over_copy``; ``update_gloo``, a full
+  update from a trainer process on the GPU to a receiver process on the CPU over gloo, and ``update_nccl`` (two
+  GPUs: the receiver on ``cuda:1``), each the median of three after a warm-up, from the trainer's first touch of
+  its weights to the receiver's verdict (``s``, ``gbps``; ``stream_s``, ``stream_gbps``: the receiver's, from the
+  layout to the last bucket loaded; NCCL's also over the copy); ``lora_adapter``, a LoRA r=8 (all-linear) model's
+  first update (the base and the adapters) and a later one (the adapters alone), bytes and seconds and
+  ``adapter_over_full_*`` (NCCL with two GPUs, else gloo); ``vllm_sampler`` (two GPUs and vLLM), the GRPO run for
+  three steps with ``--async-rollouts --sampler-devices cuda:1 --generation-backend vllm``.
 * ``decode``: the same 64 rows (8 prompts x 8) and 256 new tokens through each backend while time is left (one is
   not started with less than 1.2 times the slowest so far), in order of value:
   dschat's eager loop (constant-shape step), ``graph`` (its capture time too), HF ``generate`` on dschat's
@@ -47,6 +58,7 @@ everything is written; the problems are listed under ``problems`` in the report.
 
     python benchmarks/gpu_check.py --out-dir gpu_check_out          # one H100/H200: under 8 minutes
     python benchmarks/gpu_check.py --parts grpo,decode --budget 300
+    python benchmarks/gpu_check.py --parts weights                   # the weight plane alone: about a minute
     python benchmarks/gpu_check.py --smoke                          # the plumbing at tiny shapes, on any machine
 """
 
@@ -69,11 +81,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("grpo", "stages", "ppo", "decode")  # the default run, in order of value
+PARTS = ("grpo", "stages", "ppo", "weights", "decode")  # the default run, in order of value
 #: the most seconds each part's process may take in the full run (what is left of the budget may be less);
 #: ``big`` has its own allowance beyond the budget
-CAPS = {"setup": 90, "grpo": 330, "stages": 200, "ppo": 120, "decode": 240, "big": 420}
+CAPS = {"setup": 90, "grpo": 330, "stages": 200, "ppo": 120, "weights": 150, "decode": 240, "big": 420}
 COMPILE_EXTRA_S = 180  # decode's cap grows by this with --compile-variants (raise --budget to match)
+TWO_GPU_EXTRA_S = 150  # weights' cap grows by this with two GPUs (its NCCL pair and vLLM sampler rows)
 SMOKE_CAP = 300  # per part in --smoke, whose machine may be a slow CPU
 MIN_PART_S = 30  # a part is not started with less left of the budget
 GRACE_S = 20  # past its deadline before a part's process is killed
@@ -517,6 +530,386 @@ def big(check: Check) -> None:
         check.save("big", res)
 
 
+# ------------------------------------------------------------------------------------------------- weights
+WEIGHT_ROWS = ("copy", "pack", "update_gloo", "update_nccl", "lora_adapter", "vllm_sampler")
+#: updates per measurement: the first a warm-up (a staging made, NCCL's communicator formed), the rest timed
+WEIGHT_UPDATES = {"full": 4, "smoke": 2}
+WEIGHT_SECRET = "gpu-check-weight-plane-" + "0" * 24  # the control channel's handshake, on loopback
+WEIGHT_TIMEOUT_S = 90.0  # the longest a side waits for its peer (each wait of the plane's)
+LORA_R = 8
+NO_CUDA = "no CUDA device"
+
+
+def gbps(nbytes: float, seconds: float | None) -> float | None:
+    """Bytes per second in GB/s (1e9), four significant digits; None without a positive time."""
+    if not seconds or seconds <= 0:
+        return None
+    return float(f"{nbytes / seconds / 1e9:.4g}")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` to four significant digits; None where either is missing or ``b`` is not positive."""
+    if a is None or not b or b <= 0:
+        return None
+    return float(f"{a / b:.4g}")
+
+
+def weights_plan(cuda: bool, gpus: int, vllm: bool) -> dict[str, str | None]:
+    """Why each row of the weights part cannot be measured on this device (None: it can). ``update_gloo`` and
+    ``lora_adapter`` always can (without a GPU, ``--smoke``'s plumbing: a CPU trainer)."""
+    gpu = None if cuda else NO_CUDA
+    nccl = vllm_row = gpu
+    if cuda and gpus < 2:
+        nccl = f"NCCL needs two GPUs; this device has {gpus}"
+        vllm_row = f"a vLLM sampler on a second GPU needs two GPUs; this device has {gpus}"
+    elif cuda and not vllm:
+        vllm_row = "vLLM is not installed"
+    return {"copy": gpu, "pack": gpu, "update_gloo": None, "update_nccl": nccl, "lora_adapter": None,
+            "vllm_sampler": vllm_row}
+
+
+def timed_updates(updates: list[dict[str, Any]], kind: str, warm: int = 1) -> dict[str, Any]:
+    """The updates of ``kind`` after the first ``warm`` (all of them where there are no more): their bytes, the
+    median of each timing (``s``: from the trainer's first touch to the receiver's verdict; ``stream_s``: the
+    receiver's, from the layout to the last bucket loaded) and the GB/s of each."""
+    rows = [u for u in updates if u["kind"] == kind]
+    timed = rows[warm:] or rows
+    if not timed:
+        return {}
+    out: dict[str, Any] = {"bytes": timed[-1]["bytes"], "timed": len(timed)}
+    for key in ("s", "stream_s", "verdict_s", "pack_s"):
+        values = [u[key] for u in timed if u.get(key) is not None]
+        if values:
+            out[key] = float(f"{statistics.median(values):.6g}")
+    out["gbps"] = gbps(out["bytes"], out.get("s"))
+    out["stream_gbps"] = gbps(out["bytes"], out.get("stream_s"))
+    return out
+
+
+def lora_row(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """A LoRA run's first (full: base and adapters) and later (adapters alone) updates side by side."""
+    full, adapter = timed_updates(updates, "full"), timed_updates(updates, "adapter")
+    return {"full_bytes": full.get("bytes"), "full_s": full.get("s"), "full_gbps": full.get("gbps"),
+            "adapter_bytes": adapter.get("bytes"), "adapter_s": adapter.get("s"),
+            "adapter_over_full_bytes": ratio(adapter.get("bytes"), full.get("bytes")),
+            "adapter_over_full_s": ratio(adapter.get("s"), full.get("s"))}
+
+
+def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value replaced (added where it is absent)."""
+    if flag not in argv:
+        return [*argv, flag, value]
+    i = argv.index(flag)
+    return [*argv[:i + 1], value, *argv[i + 2:]]
+
+
+def copy_rate(nbytes: int, device: Any, reps: int) -> dict[str, Any]:
+    """The device's own copy bandwidth at an update's size: ``copy_`` of one ``nbytes`` buffer into another, after
+    a warm-up, timed with CUDA events on a GPU (the wall clock elsewhere); the median of ``reps``."""
+    import torch
+
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    times = []
+    for _ in range(reps):
+        if a.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            b.copy_(a)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            b.copy_(a)
+            times.append(time.perf_counter() - t)
+    s = statistics.median(times)
+    return {"bytes": nbytes, "s": float(f"{s:.6g}"), "gbps": gbps(nbytes, s), "reps": reps}
+
+
+def pack_rate(model: Any, reps: int, staging: str = "device") -> dict[str, Any]:
+    """The sender's packing of ``model`` into its staging (on the weights' GPU with ``staging="device"``): every
+    bucket packed and checksummed (``Sender.pack``), with a courier that only gives each staged buffer back (nothing
+    sent) and without the probe (a forward, not packing); from the call to the last bucket staged and the device
+    idle. One warm-up (the staging made), then the median of ``reps``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from dschat.generation import weight_plane as W
+
+    def drain(update: Any) -> None:
+        while True:
+            item = update.packed.get(timeout=WEIGHT_TIMEOUT_S)
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if item.ready is not None:
+                item.ready.synchronize()
+            item.stage.give(item.key)
+
+    param = next(model.parameters())
+    sender = W.Sender(model, True, streaming=False, staging=staging)
+    sender.group_device = param.device  # the staging stays where the weights are when they are on a GPU
+    layout = sender.layout("full")
+    sync = torch.cuda.synchronize if param.is_cuda else (lambda: None)
+    probe, times = W.probe_logprobs, []
+    W.probe_logprobs = lambda module: []  # type: ignore[assignment]
+    try:
+        with ThreadPoolExecutor(1) as courier:
+            for v in range(1 + reps):
+                update = W.Update(v, layout, str(param.dtype))
+                sync()
+                t = time.perf_counter()
+                drained = courier.submit(drain, update)
+                sender.pack(update)
+                drained.result(WEIGHT_TIMEOUT_S)
+                sync()
+                times.append(time.perf_counter() - t)
+    finally:
+        W.probe_logprobs = probe  # type: ignore[assignment]
+    s = statistics.median(times[1:])
+    return {"bytes": layout.nbytes, "buckets": len(layout.buckets), "s": float(f"{s:.6g}"),
+            "gbps": gbps(layout.nbytes, s), "staging": str(sender.stages["full"].device),
+            "staging_bytes": sender.staging_bytes, "reps": reps}
+
+
+def load_model(path: str, dtype: str, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device).eval()
+
+
+def weights_side(spec: dict[str, Any]) -> None:
+    """One side of a weight-plane pair, a process of its own (``--side SPEC``): the trainer (``send``) connects
+    the control channel, hosts the weight group's store and sends ``kinds`` in turn (as stage 3 does: packed on
+    this thread while a courier thread sends what is staged), timing each from its first touch of the weights to
+    the receiver's verdict; the receiver (``recv``) loads each into its own model (``ModuleReceiver``) and checks
+    it. Each writes what it saw to ``out``."""
+    import torch
+
+    from dschat import engine as E
+    from dschat.generation import channel as C
+    from dschat.generation import weight_plane as W
+
+    role, timeout, device = spec["role"], float(spec["timeout"]), spec["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    model = load_model(spec["model"], spec["dtype"], device)
+    out: dict[str, Any] = {"device": device, "dtype": spec["dtype"]}
+    if role == "recv":
+        ch = C.accept(C.listen("127.0.0.1", int(spec["port"])), WEIGHT_SECRET, timeout, print)
+        host, store_port = ch.recv()[0]["store"]
+        receiver = W.ModuleReceiver(model)
+        receiver.group = W.join_group({"store": [host, store_port], "prefix": spec["prefix"], "rank": 1, "size": 2,
+                                       "nccl": spec["nccl"], "timeout": timeout}, 0)
+        got = []
+        for _ in spec["kinds"]:
+            head, _ = ch.recv()
+            layout = W.Layout.from_json(head["layout"])
+            t = time.perf_counter()
+            sums = receiver.receive(layout, head["version"])
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            stream_s = time.perf_counter() - t
+            end, _ = ch.recv()
+            t = time.perf_counter()
+            problem = W.verdict_of(receiver, layout, sums, end)
+            ch.send({"ok": not problem, "message": problem})
+            got.append({"version": head["version"], "kind": layout.kind, "stream_s": stream_s,
+                        "verdict_s": time.perf_counter() - t, "problem": problem})
+            if problem:
+                break
+        out["updates"] = got
+        Path(spec["out"]).write_text(json.dumps(out))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    if spec.get("lora"):
+        from dschat.config import LoraArgs
+        from dschat.models.lora import apply_lora
+
+        apply_lora(model, LoraArgs(lora_dim=LORA_R, lora_alpha=2.0 * LORA_R))  # every linear layer of the body
+    ch = C.connect("127.0.0.1", int(spec["port"]), WEIGHT_SECRET, timeout)
+    store = E.WeightStore("127.0.0.1", timeout)
+    ch.send({"store": [store.host, store.port]})
+    group = E.WeightGroup(store.store, spec["prefix"], 0, 2, timeout, bool(spec["nccl"]))
+    sender = W.Sender(model, True, streaming=False, staging=spec.get("staging", "auto"))
+    sender.group_device = group.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    dtype = str(next(model.parameters()).dtype)
+    sent = []
+    with ThreadPoolExecutor(1) as courier:
+        for version, kind in enumerate(spec["kinds"]):
+            update = W.Update(version, sender.layout(kind), dtype)
+            sync()
+            t = time.perf_counter()
+            done = courier.submit(sender.send, update, [ch], group, timeout)
+            sender.pack(update)
+            metrics = done.result(timeout)
+            sent.append({"version": version, "kind": kind, "bytes": update.layout.nbytes,
+                         "s": time.perf_counter() - t, "pack_s": metrics["sync/pack_s"],
+                         "staging": str(sender.stages[kind].device)})
+    out.update(updates=sent, params=sum(p.numel() for p in model.parameters()), nccl=bool(spec["nccl"]))
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+def weight_pair(check: Check, name: str, spec: dict[str, Any], cap: float) -> dict[str, Any]:
+    """A trainer and a receiver (``weights_side``), each a process of its own with its log under ``logs/``, both
+    bounded by ``cap`` and the part's deadline; their updates side by side (``updates``: the trainer's timings with
+    the receiver's ``stream_s`` and ``verdict_s``) and their exit codes (``rc``: the first that is not 0)."""
+    from dschat.utils import free_port
+
+    timeout = max(10.0, min(cap, check.left() - 5))
+    port, rcs = free_port(), {}
+    spec = {**spec, "port": port, "prefix": name, "timeout": max(10.0, min(WEIGHT_TIMEOUT_S, timeout - 10))}
+    threads = []
+    for role in ("recv", "send"):
+        side = {**spec, **spec[role], "role": role, "out": str(check.work / f"{name}-{role}.json")}
+        Path(side["out"]).unlink(missing_ok=True)
+        path = check.work / f"{name}-{role}.spec.json"
+        path.write_text(json.dumps(side))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--side", str(path)]
+
+        def run(role: str = role, argv: list[str] = argv) -> None:
+            rcs[role] = run_logged(argv, check.logs / f"{name}-{role}.log", timeout)
+
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+    for th in threads:
+        th.join()
+    rc = next((rcs[r] for r in ("send", "recv") if rcs.get(r)), 0)
+    row: dict[str, Any] = {"rc": rc, "logs": [f"logs/{name}-recv.log", f"logs/{name}-send.log"]}
+    if rc != 0:
+        failed = "send" if rcs.get("send") else "recv"
+        row["tail"] = (check.logs / f"{name}-{failed}.log").read_text(errors="replace").splitlines()[-12:]
+        return row
+    sent = json.loads((check.work / f"{name}-send.json").read_text())
+    got = json.loads((check.work / f"{name}-recv.json").read_text())
+    problems = [u["problem"] for u in got["updates"] if u["problem"]]
+    if problems:
+        row["error"] = f"the receiver refused an update: {problems[0]}"
+    for u, r in zip(sent["updates"], got["updates"], strict=False):
+        u.update(stream_s=r["stream_s"], verdict_s=r["verdict_s"])
+    row.update(trainer=f"{sent['device']} {sent['dtype']}", receiver=f"{got['device']} {got['dtype']}",
+               group="nccl" if sent["nccl"] else "gloo", staging=sent["updates"][-1]["staging"],
+               params=sent["params"], updates=sent["updates"])
+    return row
+
+
+def weights(check: Check) -> None:
+    """The weight plane (``dschat.generation.weight_plane``) on the setup's model: the device's copy bandwidth and
+    the sender's packing into device staging against it; a full update from a trainer to a receiver in another
+    process over gloo (GPU trainer, CPU receiver) and over NCCL (two GPUs); a LoRA r=8 model's first (full) and
+    later (adapters alone) updates; a vLLM sampler on a second GPU in a short GRPO run. A row the device cannot
+    measure reads ``skipped`` with the reason."""
+    import torch
+
+    from dschat.generation.vllm_engine import vllm_installed
+
+    pol = str(check.work / "policy")
+    gpus = torch.cuda.device_count() if check.cuda else 0
+    plan = weights_plan(check.cuda, gpus, vllm_installed())
+    res: dict[str, Any] = {"gpus": gpus}
+    res.update({row: {"skipped": why} for row, why in plan.items() if why})
+    check.save("weights", res)
+    n = WEIGHT_UPDATES["smoke" if check.smoke else "full"]
+    trainer = {"device": "cuda:0" if check.cuda else "cpu", "dtype": check.dtype}
+
+    def measure(row: str, least: float, fn: Any) -> None:
+        if plan[row] is not None:
+            return
+        if check.left() < least:
+            res[row] = {"skipped": f"{check.left():.0f} s left of the part, under the {least:.0f} s it needs"}
+        else:
+            try:
+                res[row] = fn()
+            except Exception as e:  # one row's failure is a row of the report, not the end of the part
+                res[row] = {"error": error_text(e)}
+        print(f"weights {row}: {res[row]}", flush=True)
+        check.save("weights", res)
+
+    held: dict[str, Any] = {}  # the trainer's model on the GPU, for the copy's size and the packing
+
+    def copy() -> dict[str, Any]:
+        from dschat.generation.weight_plane import plan_layout
+
+        held["model"] = load_model(pol, check.dtype, "cuda:0")
+        return copy_rate(plan_layout(held["model"], "full").nbytes, torch.device("cuda:0"), 5)
+
+    def pack() -> dict[str, Any]:
+        model = held["model"] if "model" in held else load_model(pol, check.dtype, "cuda:0")
+        row = pack_rate(model, n - 1)
+        return {**row, "over_copy": ratio(row["gbps"], res.get("copy", {}).get("gbps"))}
+
+    def update(name: str, receiver: dict[str, Any], nccl: bool) -> dict[str, Any]:
+        row = weight_pair(check, f"weights-{name}", {"model": pol, "nccl": nccl, "kinds": ["full"] * n,
+                                                    "send": trainer, "recv": receiver}, 120)
+        if "updates" in row:
+            row.update(timed_updates(row["updates"], "full"))
+            copy = res.get("copy", {}).get("gbps")
+            if nccl:
+                row.update(over_copy=ratio(row["gbps"], copy), stream_over_copy=ratio(row["stream_gbps"], copy))
+        return row
+
+    def lora() -> dict[str, Any]:
+        nccl = plan["update_nccl"] is None
+        receiver = {"device": "cuda:1", "dtype": check.dtype} if nccl else {"device": "cpu", "dtype": "fp32"}
+        kinds = ["full"] * (n // 2) + ["adapter"] * (n - n // 2 + 1)  # each kind: a warm-up, then timed
+        row = weight_pair(check, "weights-lora", {"model": pol, "nccl": nccl, "kinds": kinds, "send": trainer,
+                                                  "recv": receiver, "lora": True}, 120)
+        if "updates" in row:
+            row.update(r=LORA_R, **lora_row(row["updates"]))
+        return row
+
+    def vllm() -> dict[str, Any]:
+        out = check.work / "weights-vllm"
+        argv = with_flag(grpo_args(check, pol, out, 3), "--generation-backend", "vllm") + [
+            "--async-rollouts", "--sampler-devices", "cuda:1", "--max-staleness", "1"]
+        row = check.run("weights-vllm", argv, 150, out, 2)
+        timed = metrics(out)[2:]
+        for key in sorted({k for r in timed for k in r if k.startswith(("sync/", "async/"))}):
+            row[key] = statistics.median(r[key] for r in timed if key in r)
+        return {"sampler_devices": "cuda:1", "generation_backend": "vllm", **row}
+
+    measure("copy", 30, copy)
+    measure("pack", 30, pack)
+    held.clear()
+    if check.cuda:
+        torch.cuda.empty_cache()
+    measure("update_gloo", 40, lambda: update("gloo", {"device": "cpu", "dtype": "fp32"}, False))
+    measure("update_nccl", 40, lambda: update("nccl", {"device": "cuda:1", "dtype": check.dtype}, True))
+    measure("lora_adapter", 40, lora)
+    measure("vllm_sampler", 90, vllm)
+
+
+def weights_lines(res: dict[str, Any]) -> list[str]:
+    """The weights part's headline figures, one line per row."""
+    out = []
+    for name in WEIGHT_ROWS:
+        row = res.get(name)
+        if not isinstance(row, dict):
+            continue
+        if "skipped" in row or "error" in row:
+            figure = f"skipped: {row['skipped']}" if "skipped" in row else f"error: {row['error']}"
+        elif name in ("copy", "pack"):
+            figure = f"{row.get('gbps')} GB/s" + (f" ({row['over_copy']} of the copy)" if "over_copy" in row else "")
+        elif name == "lora_adapter":
+            figure = (f"full {row.get('full_bytes')} B in {row.get('full_s')} s, adapters {row.get('adapter_bytes')} "
+                      f"B in {row.get('adapter_s')} s: {row.get('adapter_over_full_bytes')} of the bytes")
+        elif name == "vllm_sampler":
+            figure = f"rc {row.get('rc')}, {row.get('step_s')} s/step"
+        else:
+            figure = f"{row.get('s')} s/update, {row.get('gbps')} GB/s" + (
+                f" ({row['over_copy']} of the copy)" if row.get("over_copy") is not None else "")
+        out.append(f"weights {name}: {figure}")
+    return out
+
+
 # -------------------------------------------------------------------------------------------------- decode
 class Decoder:
     """The decode part's model, rows and clock: the demo set's first prompts, each a group's number of times."""
@@ -724,6 +1117,8 @@ def allowance(args: argparse.Namespace, part: str, t0: float) -> float:
     cap = SMOKE_CAP if args.smoke else CAPS[part]
     if part == "decode" and args.compile_variants:
         cap += COMPILE_EXTRA_S
+    if part == "weights" and not args.smoke and gpu_count() > 1:
+        cap += TWO_GPU_EXTRA_S
     if part == "big":
         return cap
     return min(cap, args.budget - (time.time() - t0))
@@ -741,7 +1136,9 @@ def run_part(args: argparse.Namespace, part: str, work: Path, t0: float) -> dict
 
 FIGURES = {"grpo": {"dschat": "step_s", "trl": "step_s", "dschat_async": "step_s"},
            "stages": {"stage1": "steps", "stage2": "steps", "stage3_ppo": "steps"},
-           "ppo": {"": "step_s"}, "big": {"lora": "steps", "zero3": "steps"}, "setup": {"": "policy_params"}}
+           "ppo": {"": "step_s"}, "big": {"lora": "steps", "zero3": "steps"}, "setup": {"": "policy_params"},
+           "weights": {"copy": "gbps", "pack": "gbps", "update_gloo": "gbps", "update_nccl": "gbps",
+                       "lora_adapter": "adapter_over_full_bytes", "vllm_sampler": "step_s"}}
 
 
 def row_errors(path: str, node: Any) -> list[str]:
@@ -813,6 +1210,8 @@ def summary(report: dict[str, Any]) -> list[str]:
         out.append(f"{name}: rc {row.get('rc')}, {row.get('wall_s')} s, peak {row.get('peak_device_mib')} MiB")
     if isinstance(report.get("ppo"), dict):
         out.append(f"ppo: {report['ppo'].get('step_s')} s/step")
+    if isinstance(report.get("weights"), dict):
+        out += weights_lines(report["weights"])
     for name, row in (report.get("decode") or {}).items():
         if isinstance(row, dict):
             out.append(f"decode {name}: {row.get('ms_per_step', row.get('error'))} ms/step")
@@ -853,7 +1252,8 @@ def run_all(args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
-PART_FUNCS = {"setup": setup, "grpo": grpo, "stages": stages, "ppo": ppo, "decode": decode, "big": big}
+PART_FUNCS = {"setup": setup, "grpo": grpo, "stages": stages, "ppo": ppo, "weights": weights, "decode": decode,
+              "big": big}
 
 
 def run_one(args: argparse.Namespace) -> int:
@@ -885,6 +1285,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--part", choices=sorted(PART_FUNCS), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # one side of a weights pair: its spec's JSON file
     args = ap.parse_args(argv)
     unknown = [p for p in args.parts.split(",") if p and p not in PARTS]
     if unknown:
@@ -895,6 +1296,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.side:
+        weights_side(json.loads(Path(args.side).read_text()))
+        return 0
     if args.part:
         return run_one(args)
     if not args.smoke and not cuda_elsewhere():
