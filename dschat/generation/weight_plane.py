@@ -329,7 +329,7 @@ class Update:
     dtype: str  # the trainer's floating-point weights' (what the probe was computed in)
     packed: queue.Queue[Packed | BaseException | None] = field(default_factory=queue.Queue)
     probe: list[float] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
+    pack_started: float = 0.0  # perf_counter
     pack_s: float = 0.0
 
 
@@ -399,7 +399,7 @@ class Sender:
         so every rank still finishes it; the failure surfaces when answers are next read."""
         from dschat import engine as E
 
-        t0 = time.perf_counter()
+        t0 = update.pack_started = time.perf_counter()
         layout = update.layout
         src = {name: t for name, _, t, _, _ in sources(self.module, layout.kind)}
         stage = self._staging(layout) if self.keeping else None
@@ -500,7 +500,10 @@ class Sender:
                 raise WeightLinkError(f"weight update {update.version}: the sampler refused it: "
                                       f"{str(verdict.get('message', ''))[:500]}")
         waited = sum(st.waited for st in self.stages.values())
-        return {"sync/seconds": update.pack_s + time.perf_counter() - t0, "sync/bytes": float(update.layout.nbytes),
+        # the update in motion: its sending, and the part of its packing that did not overlap it (K = 0 packs while
+        # it is sent; with K > 0 it was packed before its turn came)
+        before = max(0.0, min(update.pack_started + update.pack_s, t0) - update.pack_started) if update.pack_s else 0.0
+        return {"sync/seconds": time.perf_counter() - t0 + before, "sync/bytes": float(update.layout.nbytes),
                 "sync/pack_s": update.pack_s, "sync/staging_bytes": float(self.staging_bytes),
                 "sync/staging_wait_s": waited}
 

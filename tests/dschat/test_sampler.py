@@ -276,3 +276,58 @@ def test_a_silent_listener_is_given_up_within_the_timeout(tiny):
         open_sampler("127.0.0.1", silent.getsockname()[1], SECRET, RUN, 5)
     assert time.monotonic() - t0 < 5 + 5 and "\n" not in str(caught.value)
     silent.close()
+
+
+def test_the_sampler_s_own_failures_are_one_line_each(tiny):
+    path, _ = tiny
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    proc = _start(path, port)  # a port in use
+    try:
+        code, last = _last_line(proc)
+    finally:
+        proc.kill()
+        taken.close()
+    assert code == 2 and last.startswith(f"dschat: error: cannot listen at 127.0.0.1:{port}"), last
+    t0 = time.monotonic()
+    proc = _start(path, free_port(), timeout=3)  # no trainer comes
+    try:
+        code, last = _last_line(proc)
+    finally:
+        proc.kill()
+    assert code == 2 and last.startswith("dschat: error: no trainer connected to 127.0.0.1:") and \
+        "within --timeout 3 s" in last, last
+    assert time.monotonic() - t0 < 60
+    env = {k: v for k, v in os.environ.items() if k != "DSCHAT_SAMPLER_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "dschat.cli", "sampler", "--model", path, "--listen",
+                           f"127.0.0.1:{free_port()}"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "DSCHAT_SAMPLER_TOKEN" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_sampler_whose_trainer_died_before_connecting_goes_within_seconds(tmp_path):
+    # the trainer starts its sampler and is killed before it connects: the kernel tells the sampler (Linux), which
+    # does not wait out its --timeout (600 s by default)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    script = ("import sys\nfrom dschat.config import build_config\nfrom dschat.rlhf.config import RLHFConfig\n"
+              "from dschat.rlhf.async_rollouts import sampler_launch, start_sampler\n"
+              "cfg = build_config(RLHFConfig, {'algo': 'grpo', 'actor_model': 'tiny', 'async_rollouts': True})\n"
+              f"cmd, env = sampler_launch(cfg, {free_port()}, 'cpu', [], 'fp32', 'x' * 40)\n"
+              "p = start_sampler(cmd, env, [])\nprint('sampler', p.pid, flush=True)\nimport os\nos._exit(9)\n")
+    trainer = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(trainer.stdout.split("sampler ")[-1].split()[0])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the orphaned sampler lived on")
