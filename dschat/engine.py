@@ -210,7 +210,8 @@ class WeightGroup:
     without the watchdog's error handling, so a dead or hung peer raises ``WeightGroupError`` in this process
     instead of the watchdog killing it."""
 
-    def __init__(self, store: Any, prefix: str, rank: int, size: int, timeout_s: float, nccl: bool = False):
+    def __init__(self, store: Any, prefix: str, rank: int, size: int, timeout_s: float, nccl: bool = False,
+                 host: str | None = None):
         from datetime import timedelta
 
         self.rank, self.size, self.timeout_s, self.nccl = rank, size, timeout_s, nccl
@@ -220,12 +221,21 @@ class WeightGroup:
             if nccl:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timedelta(seconds=timeout_s)
-                with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_BLOCKING_WAIT="0"):
+                # no watchdog teardown, and a communicator set up without blocking: every wait is polled
+                with _environ(TORCH_NCCL_ASYNC_ERROR_HANDLING="0", TORCH_NCCL_BLOCKING_WAIT="0",
+                              TORCH_NCCL_USE_COMM_NONBLOCKING="1"):
                     self.group: Any = dist.ProcessGroupNCCL(scoped, rank, size, opts)
             else:
-                self.group = dist.ProcessGroupGloo(scoped, rank, size, timedelta(seconds=timeout_s))
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timedelta(seconds=timeout_s)
+                # on the interface ``host`` names (the control channel's), not whatever the hostname resolves to
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else
+                                 dist.ProcessGroupGloo.create_default_device()]
+                self.group = dist.ProcessGroupGloo(scoped, rank, size, opts)
         except RuntimeError as e:
             raise WeightGroupError(f"the weight group did not form within {timeout_s:g} s: {_first(e)}") from None
+        if nccl:  # NCCL sets its communicator up at the first collective: here, where the wait is polled
+            self.broadcast(torch.zeros(1, device=self.device))
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (on ``device``; the same shape and dtype on every member) from rank 0 to every member, in place;

@@ -47,7 +47,7 @@ MAX_DEPTH = 64  # nesting of its JSON
 MAX_TENSORS = 16  # tensors in one message
 MAX_PAYLOAD = 4 << 30  # bytes of one message's tensors
 MAX_DIMS = 4
-HANDSHAKE_S = 10.0  # the longest a peer may take to prove the secret (within the caller's own timeout)
+HANDSHAKE_S = 5.0  # the longest a peer may take to prove the secret (within the caller's own timeout)
 TOKEN_ENV = "DSCHAT_SAMPLER_TOKEN"
 MIN_TOKEN = 16  # characters
 
@@ -212,7 +212,8 @@ class Channel:
             raise BadMessage(f"{len(specs)} tensors in one message (at most {MAX_TENSORS})")
         shapes, total = [], 0
         for i, spec in enumerate(specs):
-            ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES and isinstance(spec[1], list) \
+            ok = isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and spec[0] in DTYPES and \
+                isinstance(spec[1], list) \
                 and len(spec[1]) <= MAX_DIMS and all(type(d) is int and 0 <= d < 2**40 for d in spec[1])
             if not ok:
                 raise BadMessage(f"tensor {i}: {json.dumps(spec)[:80]} is not [dtype, shape] of a known dtype")
@@ -286,20 +287,29 @@ def connect(host: str, port: int, secret: str, timeout_s: float,
             continue
         try:
             handshake(sock, secret, listener=False, timeout_s=max(deadline - time.monotonic(), 1.0))
-        except (Refused, ChannelClosed):
+        except Refused:
             sock.close()
             raise
+        except ChannelClosed as e:  # a listener busy with another peer's handshake, or not dschat's: again
+            sock.close()
+            last = f"no handshake: {e}"
+            if time.monotonic() > deadline:
+                raise ChannelClosed(f"did not take a connection within {timeout_s:g} s: {last}") from None
+            time.sleep(0.2)
+            continue
         return Channel(sock, f"{host}:{port}", timeout_s)
 
 
-def accept(listener: socket.socket, secret: str, timeout_s: float, log: Callable[[str], None]) -> Channel:
-    """The first peer that proves the secret, within ``timeout_s``; a peer that does not is refused (one line to
-    ``log``) and the wait goes on. ``ChannelClosed`` when none came in time."""
-    deadline = time.monotonic() + timeout_s
+def accept(listener: socket.socket, secret: str, wait_s: float, log: Callable[[str], None],
+           timeout_s: float | None = None) -> Channel:
+    """The first peer that proves the secret, within ``wait_s``; a peer that does not is refused (one line to
+    ``log``) and the wait goes on. The channel's own waits are ``timeout_s`` each (default ``wait_s``).
+    ``ChannelClosed`` when none came in time."""
+    deadline = time.monotonic() + wait_s
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ChannelClosed(f"no peer proved the run's secret within {timeout_s:g} s")
+            raise ChannelClosed(f"no peer proved the run's secret within {wait_s:g} s")
         listener.settimeout(left)
         try:
             sock, addr = listener.accept()
@@ -312,7 +322,7 @@ def accept(listener: socket.socket, secret: str, timeout_s: float, log: Callable
             log(f"refused a connection from {peer}: {first_line(e)}")
             sock.close()
             continue
-        return Channel(sock, peer, timeout_s)
+        return Channel(sock, peer, wait_s if timeout_s is None else timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------- fields

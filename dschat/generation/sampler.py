@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from dschat.generation.decode import Backend, GenerationConfig, Prompts
 from dschat.generation.weight_plane import Sender, Update, take_update
 
 PING_S = 10.0  # the longest the courier stays silent while idle
+PARENT_ENV = "DSCHAT_SAMPLER_PARENT"  # the pid of the trainer that started this sampler
 
 
 class SamplerLost(UserError):
@@ -222,6 +224,8 @@ def read_answer(head: dict[str, Any], tensors: list[torch.Tensor], ids: torch.Te
     if B2 != B or W < P or f.int("prompt") != P:
         raise BadMessage(f"answer: {B2} x {W} sequences for a request of {B} prompts {P} wide")
     episodes = head.get("episodes")
+    if episodes is not None:
+        check_episodes(episodes, B)
     want: list[tuple[torch.dtype, list[int]]] = [(torch.int64, [B, W]), (torch.float32, [B, W - P])]
     if rng:
         want.append((torch.uint8, [f.int("rng", 1, 1 << 20)]))
@@ -268,12 +272,14 @@ def open_sampler(host: str, port: int, secret: str, run: dict[str, Any], timeout
         ours = E.gpu_identity() if E.device().type == "cuda" else ""
         members = [ours, *identities]
         nccl = all(members) and len(set(members)) == len(members)  # two processes on one GPU: gloo, not NCCL
-        store = E.WeightStore(channel.sock.getsockname()[0], timeout_s)
+        here, there = channel.sock.getsockname()[0], channel.sock.getpeername()[0]
+        store = E.WeightStore(here, timeout_s)
         prefix = secrets.token_hex(16)
         spec = {"store": [store.host, store.port], "prefix": prefix, "rank": 1, "size": len(members),
-                "nccl": nccl, "timeout": timeout_s}
+                "nccl": nccl, "timeout": timeout_s, "host": there}
         channel.send({"op": "join", "group": spec})
-        group = E.WeightGroup(store.store, prefix, 0, len(members), timeout_s, nccl)
+        group = _form(lambda: E.WeightGroup(store.store, prefix, 0, len(members), timeout_s, nccl, here), channel,
+                      process)
         group.store = store  # kept alive with the group
         reply = Fields(channel.recv()[0], "join reply")
         if not reply.bool("ok"):
@@ -285,6 +291,57 @@ def open_sampler(host: str, port: int, secret: str, run: dict[str, Any], timeout
         channel.close()
         raise
     return SamplerClient(channel, None, group)
+
+
+def _form(make: Callable[[], Any], channel: Channel, process: Any) -> Any:
+    """``make()`` (a collective that waits for the sampler to join) run aside, while this thread watches the sampler:
+    one that exits, or closes its channel, ends the wait at once instead of at the timeout."""
+    import select
+
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["group"] = make()
+        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+            done["error"] = e
+
+    worker = threading.Thread(target=run, name="dschat-weight-group", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+        if not worker.is_alive():
+            break
+        if process is not None and process.poll() is not None:
+            raise ChannelClosed(f"exited while joining the weight group (exit code {process.returncode})")
+        readable, _, _ = select.select([channel.sock], [], [], 0)
+        if readable and not channel.sock.recv(1, socket.MSG_PEEK):
+            raise ChannelClosed("closed the connection while joining the weight group")
+    if "error" in done:
+        raise done["error"]
+    return done["group"]
+
+
+INFO = {"texts": str, "lengths": int, "env_rewards": (float, int, type(None)), "turns": int, "calls": int,
+        "errors": int}
+COUNTS = ("episodes", "turns", "calls", "errors", "policy_tokens", "context_tokens")
+
+
+def check_episodes(record: Any, rows: int) -> None:
+    """What a sampler says its episodes did (``episode_record``), in the shape the trainer reads: ``finished`` and
+    each ``info`` list one entry per row, of its type; the counts integers; else ``BadMessage``."""
+    f = Fields(record, "answer.episodes")
+    finished = f.list("finished")
+    info, counts = f.fields("info"), f.fields("counts")
+    ok = len(finished) == rows and all(type(x) is bool for x in finished)
+    for key, kind in INFO.items():
+        values = info.list(key)
+        ok = ok and len(values) == rows and all(isinstance(v, kind) and type(v) is not bool for v in values)
+    ok = ok and set(info.msg) == set(INFO) and all(type(counts.msg.get(k)) is int for k in COUNTS)
+    kinds = counts.msg.get("kinds")
+    ok = ok and isinstance(kinds, dict) and all(isinstance(k, str) and type(v) is int for k, v in kinds.items())
+    if not ok or set(counts.msg) != {*COUNTS, "kinds"}:
+        raise BadMessage(f"answer.episodes: not what {rows} episodes did")
 
 
 # ------------------------------------------------------------------------------------------------ the sampler
@@ -301,6 +358,7 @@ class SamplerServer:
         self.module: Any = None
         self.agent: Any = None
         self.version = -1
+        self.joined = False
 
     def serve(self) -> None:
         """Answer the trainer's messages in the order they come. Returns on ``stop``; raises ``UserError`` (one
@@ -322,6 +380,8 @@ class SamplerServer:
             return False
         if op != "hello" and self.engine is None:
             raise BadMessage(f"{op}: the trainer has not said hello")
+        if op in ("weights", "sample") and not self.joined:
+            raise BadMessage(f"{op}: the trainer has not formed the weight group")
         try:
             {"hello": self._hello, "join": self._join, "weights": self._weights, "sample": self._sample}[op](
                 msg, tensors)
@@ -357,8 +417,10 @@ class SamplerServer:
             agent = run.msg.get("agent")
             if agent is not None:
                 self._build_agent(agent)
-        except UserError as e:
-            problem = str(e)
+        except BadMessage:
+            raise
+        except Exception as e:  # noqa: BLE001 - an engine that cannot be built: told to the trainer, one line here
+            problem = first_line(e, 500)
         self._reply(problem, identities=self.engine.identities() if self.engine is not None else [],
                     backend=getattr(self.backend, "name", ""))
         if problem:
@@ -387,11 +449,12 @@ class SamplerServer:
         if not ok:
             raise BadMessage("join.group.store: not [host, port]")
         spec = {"store": host_port, "prefix": f.str("prefix"), "rank": f.int("rank", 1), "size": f.int("size", 2),
-                "nccl": f.bool("nccl"), "timeout": f.number("timeout", 1)}
+                "nccl": f.bool("nccl"), "timeout": f.number("timeout", 1), "host": f.str("host")}
         problem = ""
         try:
             self.engine.join(spec)
-        except RuntimeError as e:
+            self.joined = True
+        except Exception as e:  # noqa: BLE001 - told to the trainer, then one line here
             problem = first_line(e)
         self._reply(problem)
         if problem:
@@ -509,6 +572,26 @@ def engine_maker(path: str, backend_name: str, device: torch.device, dtype: torc
     return make
 
 
+def follow_parent() -> None:
+    """A sampler that a trainer started (``$DSCHAT_SAMPLER_PARENT``, its pid) ends with it: on Linux the kernel
+    sends it SIGTERM when the trainer dies, even by ``kill -9`` (asked for here, in the sampler itself: nothing runs
+    between fork and exec in the trainer); a trainer already gone by now is seen at once."""
+    import os
+    import signal
+
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the first read finds the trainer gone instead
+        return
+    if os.getppid() != int(parent):
+        raise UserError(f"the trainer that started this sampler (pid {parent}) is gone")
+
+
 def serve_sampler(path: str, listen_at: tuple[str, int], secret: str, timeout_s: float, backend: str,
                   device: torch.device, dtype: torch.dtype, vllm: Any, trust_remote_code: bool,
                   log: Callable[[str], None]) -> None:
@@ -518,6 +601,7 @@ def serve_sampler(path: str, listen_at: tuple[str, int], secret: str, timeout_s:
     from dschat.generation.channel import accept, listen
     from dschat.models.loading import load_tokenizer
 
+    follow_parent()
     make = engine_maker(path, backend, device, dtype, vllm, trust_remote_code, log)
     tokenizer = load_tokenizer(path, trust_remote_code)
     listener = listen(*listen_at)
@@ -526,7 +610,7 @@ def serve_sampler(path: str, listen_at: tuple[str, int], secret: str, timeout_s:
     try:
         while True:
             try:
-                channel = accept(listener, secret, max(deadline - time.monotonic(), 0.0), log)
+                channel = accept(listener, secret, max(deadline - time.monotonic(), 0.0), log, timeout_s)
             except ChannelClosed:
                 raise UserError(f"no trainer connected to {listen_at[0]}:{listen_at[1]} within --timeout "
                                 f"{timeout_s:g} s") from None

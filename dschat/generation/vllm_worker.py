@@ -58,13 +58,21 @@ class WeightReceiver:
                     else:  # vLLM may hold a tensor until its layer is complete: a copy, not the reused buffer
                         yield e.name, t.clone()
 
-        stream = weights()
+        from dschat.engine import WeightGroupError
+        from dschat.errors import first_line
+
+        stream, problem = weights(), ""
         if any(e.role in ("weight", "base") for b in layout.buckets for e in b.entries):
-            self.model_runner.reload_weights(weights_iterator=stream)
-            _refresh_cpu_gemms(self.model_runner.get_model())
-        for _ in stream:  # whatever the load did not ask for (adapters after the last weight)
+            try:
+                self.model_runner.reload_weights(weights_iterator=stream)
+                _refresh_cpu_gemms(self.model_runner.get_model())
+            except WeightGroupError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the update is refused with it; the transfer goes on
+                problem = f"vLLM could not load it: {first_line(e)}"
+        for _ in stream:  # whatever the load did not ask for (adapters after the last weight, or after a failure)
             pass
-        return {"checksums": [[int(x) for x in s.tolist()] for s in sums], "adapter": adapter}
+        return {"checksums": [[int(x) for x in s.tolist()] for s in sums], "adapter": adapter, "problem": problem}
 
 
 def lora_rank(r: int) -> int:
@@ -127,9 +135,10 @@ class FedVLLM(VLLMBackend):
         self._wake()  # asleep between samples (a sampler sharing a trainer's GPU): its weights must be back
         results = self.llm.collective_rpc("dschat_receive", args=(layout.to_json(),))
         first = results[0]
+        self.problem = next((r["problem"] for r in results if r["problem"]), "")
         if any(r["checksums"] != first["checksums"] for r in results[1:]):
-            self.problem = "the engine's ranks received different bytes"
-        if first["adapter"]:
+            self.problem = self.problem or "the engine's ranks received different bytes"
+        if first["adapter"] and not self.problem:
             self._add_adapter(version, first["adapter"], layout.lora or {})
         self.llm.reset_prefix_cache()  # blocks cached before hold the old weights' keys and values
         self.version = version

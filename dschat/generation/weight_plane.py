@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from dschat.errors import UserError
+from dschat.generation.channel import BadMessage
 
 BUCKET_BYTES = 32 << 20
 PROBE_LENGTH = 24
@@ -217,7 +218,9 @@ def plan_layout(module: torch.nn.Module, kind: str, bucket_bytes: int = BUCKET_B
 def bucket_checksum(buf: torch.Tensor) -> torch.Tensor:
     """``(2,)`` int64 on ``buf``'s device: the sum of the bucket's 8-byte words and of their squares, wrapping
     (``buf``: uint8, a whole number of words). Integer sums do not depend on the order they run in, so the sender's
-    (on its GPU) and a receiver's (on its GPU or CPU) are equal exactly when every bit arrived."""
+    (on its GPU) and a receiver's (on its GPU or CPU) agree to the bit whatever device and kernel sum them; damage
+    that changes bytes (a flipped bit, a range zeroed, cut short or written twice) changes them. Whole words that
+    change places would not, which a transfer of one buffer does not do; the probe catches what is left."""
     words = buf.view(torch.int64)
     return torch.stack([words.sum(), (words * words).sum()])
 
@@ -252,16 +255,22 @@ def tolerance(trainer_dtype: str, ours: torch.dtype) -> float:
 
 # ------------------------------------------------------------------------------------------------ staging
 class Staging:
-    """Reused staging buffers on ``device`` (pinned where the host stages for a GPU), made the first time each is
-    needed and reused by every later update: the trainer never allocates an update's memory twice. ``streaming``
-    (K = 0): two buffers of a bucket's ``capacity``, taken in turn, so an update streams while it is packed; else
-    one buffer per bucket of the layout, of that bucket's own size, so one whole update waits in exactly its bytes.
-    ``take`` waits until the courier has given the buffer back (after its broadcast); a courier that failed wakes
-    the waiter with its error."""
+    """Reused staging for one layout, on ``device`` (pinned where the host stages for a GPU): one slab made the
+    first time it is needed and reused by every later update, so the trainer never allocates an update's memory
+    twice, and of exactly the bytes it needs. ``streaming`` (K = 0): two slots of the layout's bucket capacity,
+    taken in turn, so an update streams while it is packed; else one slot per bucket, of that bucket's size, so one
+    whole update waits in exactly its bytes. ``take`` waits until the courier gave the slot back (after its
+    broadcast), at most ``timeout_s``; a courier that failed wakes the waiter with its error."""
 
-    def __init__(self, capacity: int, device: torch.device, streaming: bool, pinned: bool = False):
-        self.capacity, self.device, self.streaming, self.pinned = capacity, device, streaming, pinned
-        self.buffers: dict[int, torch.Tensor] = {}
+    def __init__(self, layout: Layout, device: torch.device, streaming: bool, pinned: bool = False,
+                 timeout_s: float = 600.0):
+        self.device, self.streaming, self.pinned, self.timeout_s = device, streaming, pinned, timeout_s
+        self.capacity = layout.capacity
+        sizes = [self.capacity] * 2 if streaming else [b.nbytes for b in layout.buckets]
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.sizes, self.total = sizes, sum(sizes)
+        self.slab: torch.Tensor | None = None
+        self.trained = True  # made after a training step (an ``auto`` staging made before one is decided again)
         self.busy: set[int] = set()
         self.failed: BaseException | None = None
         self.waited = 0.0
@@ -269,27 +278,40 @@ class Staging:
 
     @property
     def bytes(self) -> int:
-        return sum(b.numel() for b in self.buffers.values())
+        return self.total if self.slab is not None else 0
 
-    def key(self, index: int) -> int:
-        return index % 2 if self.streaming else index
+    def _make(self) -> torch.Tensor:
+        """The slab: on the device, or in host memory pinned page by page with ``cudaHostRegister`` (exact, where
+        a pinned allocation through torch's caching host allocator would round it up to a power of two and keep it
+        after it is let go); unregistered when the slab goes."""
+        slab = torch.empty(self.total, dtype=torch.uint8, device=self.device)
+        if self.pinned:
+            import weakref
 
-    def take(self, index: int, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The buffer for bucket ``index`` (``nbytes`` long at least) and its key, once it is free."""
-        key = self.key(index)
+            cudart = torch.cuda.cudart()
+            if int(cudart.cudaHostRegister(slab.data_ptr(), slab.numel(), 0)) == 0:
+                weakref.finalize(slab, cudart.cudaHostUnregister, slab.data_ptr())
+            else:  # not pinned after all (a host that refuses it): copies out of the GPU then wait for each other
+                self.pinned = False
+        return slab
+
+    def take(self, index: int) -> tuple[int, torch.Tensor]:
+        """The slot of bucket ``index`` and its key, once the courier has given it back."""
+        key = index % 2 if self.streaming else index
         t0 = time.perf_counter()
         with self._cv:
             while key in self.busy and self.failed is None:
+                if time.perf_counter() - t0 > self.timeout_s:
+                    raise WeightLinkError(f"no staging buffer came free within {self.timeout_s:g} s: the sampler "
+                                          "has not taken the previous update")
                 self._cv.wait(1.0)
             self.waited += time.perf_counter() - t0
             if self.failed is not None:
                 raise self.failed
             self.busy.add(key)
-            buf = self.buffers.get(key)
-        if buf is None or buf.numel() < nbytes:
-            size = self.capacity if self.streaming else nbytes
-            buf = self.buffers[key] = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
-        return key, buf
+        if self.slab is None:
+            self.slab = self._make()
+        return key, self.slab[self.offsets[key]:self.offsets[key] + self.sizes[key]]
 
     def give(self, key: int) -> None:
         with self._cv:
@@ -331,6 +353,8 @@ class Update:
     probe: list[float] = field(default_factory=list)
     pack_started: float = 0.0  # perf_counter
     pack_s: float = 0.0
+    staging_bytes: int = 0  # what the staging held once it was packed
+    staging_wait_s: float = 0.0  # the packer's wait for free staging buffers
 
 
 class Sender:
@@ -339,8 +363,8 @@ class Sender:
     collective); only the first rank's ``keeping`` one stages anything."""
 
     def __init__(self, module: torch.nn.Module, keeping: bool, streaming: bool, staging: str = "auto",
-                 bucket_bytes: int = BUCKET_BYTES):
-        self.module, self.keeping, self.bucket_bytes = module, keeping, bucket_bytes
+                 bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0):
+        self.module, self.keeping, self.bucket_bytes, self.timeout_s = module, keeping, bucket_bytes, timeout_s
         self.streaming = streaming  # K = 0: nothing trains while an update travels, two buffers stream it
         self.staging_choice = staging
         self.layouts: dict[str, Layout] = {}
@@ -356,24 +380,35 @@ class Sender:
             self.layouts[kind] = plan_layout(self.module, kind, self.bucket_bytes)
         return self.layouts[kind]
 
-    def _staging(self, layout: Layout) -> Staging:
-        """The staging buffers of ``layout``'s kind, made the first time: on the weights' device where they go to
-        the group from there and (``auto``) the device has room for them twice over, else on the host (pinned
-        beside a GPU). A LoRA run's first update is full and every later one adapters alone: the full update's
-        buffers are let go once an adapter update is packed (they go when the courier is done with them)."""
-        stage = self.stages.get(layout.kind)
-        if stage is not None and stage.capacity >= layout.capacity:
-            return stage
+    def _where(self, layout: Layout, trained: bool) -> str:
+        """``device`` or ``host``: the device only where the weights and the weight group are both on GPUs; ``auto``
+        only once a training step has run (before it the device's free memory says nothing of training's peak) and
+        the device then has room for the staging twice over."""
+        if not (self.device.type == "cuda" and self.group_device.type == "cuda"):
+            return "host"
+        if self.staging_choice != "auto":
+            return self.staging_choice
+        if not trained and not self.streaming:
+            return "host"
         need = 2 * layout.capacity if self.streaming else layout.nbytes
-        where = self.staging_choice
-        if where == "auto":
-            where = "host"
-            if self.device.type == "cuda" and self.group_device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                where = "device" if free > 2 * need else "host"
-        on_device = where == "device" and self.device.type == "cuda" and self.group_device.type == "cuda"
-        stage = Staging(layout.capacity, self.device if on_device else torch.device("cpu"), self.streaming,
-                        pinned=not on_device and torch.cuda.is_available())
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return "device" if free > 2 * need else "host"
+
+    def _staging(self, layout: Layout, trained: bool) -> Staging:
+        """The staging of ``layout``'s kind (``Staging``), made the first time; an ``auto`` staging made before a
+        training step ran is decided again at the first update after one. A LoRA run's first update is full and
+        every later one adapters alone: the full update's staging is let go once an adapter update is packed (it
+        goes when the courier is done with it)."""
+        stage = self.stages.get(layout.kind)
+        if stage is not None and (stage.trained or not trained):
+            return stage
+        on_device = self._where(layout, trained) == "device"
+        if stage is not None and on_device == (stage.device.type == "cuda"):
+            stage.trained = True
+            return stage
+        stage = Staging(layout, self.device if on_device else torch.device("cpu"), self.streaming,
+                        pinned=not on_device and self.device.type == "cuda", timeout_s=self.timeout_s)
+        stage.trained = trained
         if self.failed is not None:
             stage.fail(self.failed)
         if layout.kind == "adapter":
@@ -383,7 +418,7 @@ class Sender:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(s.bytes for s in self.stages.values())
+        return sum(s.bytes for s in list(self.stages.values()))
 
     def fail(self, error: BaseException) -> None:
         """The courier lost its samplers: a packer waiting for a buffer wakes, and no later packing waits."""
@@ -392,60 +427,81 @@ class Sender:
             stage.fail(error)
 
     @torch.no_grad()
-    def pack(self, update: Update) -> None:
+    def pack(self, update: Update, trained: bool = True) -> None:
         """Walk the weights (every rank: ZeRO-3 gathers one parameter at a time) and, on the keeping rank, stage
         ``update``'s buckets as they fill, each checksummed where the weights are; then the probe (a collective
-        forward under ZeRO-3). A staging failure (the courier lost its sampler) stops the staging, not the walk,
-        so every rank still finishes it; the failure surfaces when answers are next read."""
+        forward under ZeRO-3). ``trained``: a training step has run (``auto`` staging waits for one to choose the
+        device). Whatever fails on the keeping rank alone (no staging buffer, the courier lost its sampler, an
+        allocation) stops its staging, not the walk, so every rank still finishes the collective walk; the failure
+        goes to the courier, and surfaces when answers are next read."""
         from dschat import engine as E
 
         t0 = update.pack_started = time.perf_counter()
         layout = update.layout
         src = {name: t for name, _, t, _, _ in sources(self.module, layout.kind)}
-        stage = self._staging(layout) if self.keeping else None
-        failed = False
+        stage: Staging | None = None
+        failed = not self.keeping
+        waited = 0.0
+
+        def fail(error: BaseException) -> None:
+            nonlocal failed
+            if not failed:
+                failed = True
+                update.packed.put(error)
+
+        if not failed:
+            try:
+                stage = self._staging(layout, trained)
+                waited = stage.waited
+            except BaseException as e:  # noqa: BLE001 - told to the courier's reader; the walk goes on
+                fail(e)
         for index, bucket in enumerate(layout.buckets):
-            buf: torch.Tensor | None = None
-            key = 0
-            if stage is not None and not failed:
+            key, buf, flat, typed = 0, None, None, None
+            if not failed:
                 try:
-                    key, buf = stage.take(index, bucket.nbytes)
-                except BaseException as e:  # noqa: BLE001 - told to the courier's reader; the walk goes on
-                    failed = True
-                    update.packed.put(e)
-            # packed and summed where the weights are: in the staging buffer itself, or in one on the weights' GPU
-            # before it goes to the host (stream order keeps the next bucket from overwriting it too early)
-            target = None if buf is None else buf if buf.device == self.device else self._pack_buffer(stage)
-            flat = None if target is None else target[:bucket.nbytes]
-            dtype = DTYPES[bucket.dtype]
-            if flat is not None:
-                flat[-8:].zero_()  # the padding of the last word
-                typed = flat[:bucket.numel * dtype.itemsize].view(dtype)
+                    assert stage is not None
+                    key, buf = stage.take(index)
+                    # packed and summed where the weights are: in the staging slot itself, or in a buffer on the
+                    # weights' GPU before it goes to the host (stream order keeps the next bucket off it till then)
+                    target = buf if buf.device == self.device else self._pack_buffer(stage)
+                    flat = target[:bucket.nbytes]
+                    flat[-8:].zero_()  # the padding of the last word
+                    dtype = DTYPES[bucket.dtype]
+                    typed = flat[:bucket.numel * dtype.itemsize].view(dtype)
+                except BaseException as e:  # noqa: BLE001
+                    fail(e)
             for entry in bucket.entries:
                 t = src[entry.name]
                 with E.gathered_params([t] if isinstance(t, torch.nn.Parameter) else []):
-                    if flat is not None:
-                        typed[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
-            if flat is None or buf is None:
+                    if not failed and typed is not None:
+                        try:
+                            typed[entry.offset:entry.offset + entry.numel].copy_(t.detach().reshape(-1))
+                        except BaseException as e:  # noqa: BLE001
+                            fail(e)
+            if failed or flat is None or buf is None or stage is None:
                 continue
-            checksum = bucket_checksum(flat)
-            if CORRUPT is not None:
-                CORRUPT(flat)
-            if flat.data_ptr() != buf.data_ptr():
-                buf[:bucket.nbytes].copy_(flat, non_blocking=buf.is_pinned())
-            ready = None
-            if flat.is_cuda:  # the courier's thread (its own stream) waits for this before it reads the bytes
-                ready = torch.cuda.Event()
-                ready.record()
-            update.packed.put(Packed(buf, bucket.nbytes, checksum, ready, key, stage))
+            try:
+                checksum = bucket_checksum(flat)
+                if CORRUPT is not None:
+                    CORRUPT(flat)
+                if flat.data_ptr() != buf.data_ptr():
+                    buf[:bucket.nbytes].copy_(flat, non_blocking=stage.pinned)
+                ready = None
+                if flat.is_cuda:  # the courier's thread (its own stream) waits for this before it reads the bytes
+                    ready = torch.cuda.Event()
+                    ready.record()
+                update.packed.put(Packed(buf, bucket.nbytes, checksum, ready, key, stage))
+            except BaseException as e:  # noqa: BLE001
+                fail(e)
         update.probe = probe_logprobs(self.module)
         update.pack_s = time.perf_counter() - t0
-        if self.keeping and not failed:
+        if stage is not None:
+            update.staging_bytes, update.staging_wait_s = self.staging_bytes, stage.waited - waited
+        if not failed:
             update.packed.put(None)
 
-    def _pack_buffer(self, stage: Staging | None) -> torch.Tensor:
+    def _pack_buffer(self, stage: Staging) -> torch.Tensor:
         """A bucket-sized buffer on the weights' GPU to pack and sum in before the copy to the host staging."""
-        assert stage is not None
         if not self.pack_buffers or self.pack_buffers[0].numel() < stage.capacity:
             self.pack_buffers = [torch.empty(stage.capacity, dtype=torch.uint8, device=self.device)]
         return self.pack_buffers[0]
@@ -499,13 +555,12 @@ class Sender:
             if verdict.get("ok") is not True:
                 raise WeightLinkError(f"weight update {update.version}: the sampler refused it: "
                                       f"{str(verdict.get('message', ''))[:500]}")
-        waited = sum(st.waited for st in self.stages.values())
         # the update in motion: its sending, and the part of its packing that did not overlap it (K = 0 packs while
         # it is sent; with K > 0 it was packed before its turn came)
         before = max(0.0, min(update.pack_started + update.pack_s, t0) - update.pack_started) if update.pack_s else 0.0
         return {"sync/seconds": time.perf_counter() - t0 + before, "sync/bytes": float(update.layout.nbytes),
-                "sync/pack_s": update.pack_s, "sync/staging_bytes": float(self.staging_bytes),
-                "sync/staging_wait_s": waited}
+                "sync/pack_s": update.pack_s, "sync/staging_bytes": float(update.staging_bytes),
+                "sync/staging_wait_s": update.staging_wait_s}
 
 
 # ----------------------------------------------------------------------------------------------- receiving
@@ -528,13 +583,23 @@ def received(group: Any, layout: Layout, holder: dict[str, torch.Tensor]) -> Ite
 
 
 def receive_buckets(group: Any, layout: Layout, load: Callable[[Bucket, torch.Tensor], None],
-                    holder: dict[str, torch.Tensor]) -> list[list[int]]:
-    """Every bucket of ``layout`` (``received``), each handed to ``load`` as it arrives; their checksums."""
-    sums = []
+                    holder: dict[str, torch.Tensor]) -> tuple[list[list[int]], str]:
+    """Every bucket of ``layout`` (``received``), each handed to ``load`` as it arrives; their checksums, and what
+    went wrong loading them (''). A bucket that fails to load does not stop the others from being taken: the
+    trainer broadcasts them all, and hears the refusal in the verdict."""
+    from dschat.errors import first_line
+
+    sums, problem = [], ""
     for bucket, flat, checksum in received(group, layout, holder):
         sums.append(checksum)
-        load(bucket, flat)
-    return [[int(x) for x in s.tolist()] for s in sums]
+        if problem:
+            continue
+        try:
+            load(bucket, flat)
+        except Exception as e:  # noqa: BLE001 - the update is refused with it; the transfer goes on
+            first = bucket.entries[0].name if bucket.entries else "a bucket"
+            problem = f"loading the bucket holding {first} failed: {first_line(e)}"
+    return [[int(x) for x in s.tolist()] for s in sums], problem
 
 
 def damaged(got: list[list[int]], sent: Any, layout: Layout) -> str:
@@ -605,7 +670,9 @@ class ModuleReceiver:
                     slot["scale"], slot["fan"] = e.scale, e.fan_in_fan_out
                     touched.add(e.layer)
 
-        sums = receive_buckets(self.group, layout, load, self.holder)
+        if self.group is None:
+            raise BadMessage("weights: the trainer has not formed the weight group")
+        sums, self.problem = receive_buckets(self.group, layout, load, self.holder)
         with torch.no_grad():
             for layer in sorted(touched):
                 name, slot = f"{layer}.weight", self.adapters.get(layer, {})
@@ -616,7 +683,10 @@ class ModuleReceiver:
                     continue
                 from dschat.models.lora import merge
 
-                target.copy_(merge(base, slot["lora_A"], slot["lora_B"], slot["scale"], slot["fan"]))
+                try:
+                    target.copy_(merge(base, slot["lora_A"], slot["lora_B"], slot["scale"], slot["fan"]))
+                except RuntimeError as e:  # shapes that do not fit: refused, never sampled from
+                    self.problem = self.problem or f"{layer}: its adapter does not merge into it ({e})"
         return sums
 
     def probe_logprobs(self) -> list[float]:
@@ -629,14 +699,15 @@ class ModuleReceiver:
 
 def join_group(spec: dict[str, Any], offset: int) -> Any:
     """A receiving rank's membership of the weight group the trainer described over the control channel
-    (``{"store": [host, port], "prefix", "rank", "size", "nccl", "timeout"}``; ``offset``: this rank's place among
-    its sampler's receiving ranks)."""
+    (``{"store": [host, port], "prefix", "rank", "size", "nccl", "timeout", "host"}``: ``host`` this side's address
+    as the trainer reaches it, where gloo listens; ``offset``: this rank's place among its sampler's receiving
+    ranks)."""
     from dschat import engine as E
 
     host, port = spec["store"]
     store = E.WeightStore.client(host, int(port), float(spec["timeout"]))
     return E.WeightGroup(store, spec["prefix"], int(spec["rank"]) + offset, int(spec["size"]), float(spec["timeout"]),
-                         bool(spec["nccl"]))
+                         bool(spec["nccl"]), spec.get("host"))
 
 
 def verdict_of(receiver: Any, layout: Layout, sums: list[list[int]], end: dict[str, Any]) -> str:
@@ -672,14 +743,19 @@ def take_update(channel: Any, receiver: Any, head: dict[str, Any]) -> int:
     (``ModuleReceiver``, a fed vLLM engine), the trainer's ``weights_end``, the checks, the verdict sent back. Returns
     the update's version; ``WeightLinkError`` (after telling the trainer) when it failed its checks, ``UserError``
     when the trainer is gone mid-update, ``BadMessage`` for messages out of place."""
+    from dschat.engine import WeightGroupError
     from dschat.errors import first_line
-    from dschat.generation.channel import BadMessage, Fields
+    from dschat.generation.channel import Fields
 
     version, layout = Fields(head, "weights").int("version", 0), Layout.from_json(head.get("layout"))
     try:
         sums = receiver.receive(layout, version)
-    except RuntimeError as e:
+    except WeightGroupError as e:
         raise UserError(f"the trainer is gone (weight update {version}): {first_line(e)}") from None
+    except (BadMessage, UserError):
+        raise
+    except Exception as e:  # noqa: BLE001 - this side failed before it took every bucket: it cannot go on
+        raise UserError(f"weight update {version}: this sampler could not take it: {first_line(e)}") from None
     end, _ = channel.recv()
     if Fields(end, "weights_end").str("op", ("weights_end",)) != "weights_end" or end.get("version") != version:
         raise BadMessage(f"weights_end: not the end of weight update {version}")

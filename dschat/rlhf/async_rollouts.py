@@ -49,7 +49,7 @@ import torch
 from dschat import engine as E
 from dschat.errors import UserError
 from dschat.generation.decode import Generated, GenerationConfig, Prompts
-from dschat.generation.sampler import Answer, SamplerClient, SamplerLost, open_sampler
+from dschat.generation.sampler import PARENT_ENV, Answer, SamplerClient, SamplerLost, open_sampler
 from dschat.generation.weight_plane import Sender, Update, WeightLinkError
 from dschat.rlhf.rollout import episode_rows, repeat_prompts
 
@@ -173,8 +173,9 @@ class AsyncRollouts:
         self.wait_s = self.sampler_s = 0.0
         self.sync: dict[str, float] = {}
         keeping = client is not None
-        self.sender = Sender(hybrid.module, keeping, streaming=max_staleness == 0, staging=staging)
+        self.sender = Sender(hybrid.module, keeping, streaming=max_staleness == 0, staging=staging, timeout_s=timeout_s)
         self.sent_full = False
+        self.trained = False  # a training step has run in this process (the staging's placement waits for one)
         if client is not None:
             client.sender = self.sender
             self.sender.group_device = client.group.device
@@ -407,8 +408,8 @@ class AsyncRollouts:
         update = Update(version, self.sender.layout(kind), dtype)
         if self.client is not None:  # first in the courier's queue, so a K = 0 update streams as it is packed
             self.pushes.append(self.client.push(update))
-        self.sender.pack(update)
-        self.sent_full = True
+        self.sender.pack(update, trained=self.trained)
+        self.sent_full = self.trained = True  # (every call after the first follows a step)
 
     def take_metrics(self) -> dict[str, float]:
         """``async/*`` for the step just run, and ``sync/*`` of the last weight update the sampler has checked;
@@ -599,6 +600,7 @@ def sampler_launch(cfg: Any, port: int, device: str, cores: list[int], dtype: st
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env["DSCHAT_SAMPLER_TOKEN"] = secret
+    env[PARENT_ENV] = str(os.getpid())  # the sampler ends with this process (``sampler.follow_parent``)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     where = device
@@ -632,21 +634,11 @@ def sampler_launch(cfg: Any, port: int, device: str, cores: list[int], dtype: st
     return cmd, env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the sampler gets SIGTERM when the trainer that started it dies, even by ``kill -9``."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_sampler(cmd: list[str], env: dict[str, str], cores: list[int]) -> subprocess.Popen:
     """Start the sampler (``sampler_launch``) on ``cores`` (which this process then leaves); its messages go to this
     run's stderr. It ends with this process: killed at exit, and (Linux) signalled by the kernel if this process
-    dies without an exit (it would also exit by itself at its first read, its trainer gone)."""
+    dies without an exit (``sampler.follow_parent``; it would also exit by itself at its first read, its trainer
+    gone)."""
     if cores:
         mine = sorted(set(os.sched_getaffinity(0)) - set(cores))
         if mine:  # the trainer keeps the other cores: every thread of it (torch's pool is already running)
@@ -654,6 +646,6 @@ def start_sampler(cmd: list[str], env: dict[str, str], cores: list[int]) -> subp
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(tid), mine)
             torch.set_num_threads(len(mine))
-    process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    process = subprocess.Popen(cmd, env=env)
     atexit.register(lambda: process.poll() is None and process.kill())
     return process

@@ -250,6 +250,8 @@ BAD_FRAMES = {
     "an unknown op": _frame({"m": {"op": "format_disk"}, "t": []}),
     "sampling before hello": _frame({"m": {"op": "sample"}, "t": []}),
     "a hello without its run": _frame({"m": {"op": "hello"}, "t": []}),
+    "a list for a dtype": _frame({"m": {"op": "ping"}, "t": [[["float32"], [1]]]}),
+    "weights before the group": _frame({"m": {"op": "weights", "version": 1, "layout": {}}, "t": []}),
 }
 
 
@@ -331,3 +333,25 @@ def test_a_sampler_whose_trainer_died_before_connecting_goes_within_seconds(tmp_
     else:
         os.kill(pid, signal.SIGKILL)
         raise AssertionError("the orphaned sampler lived on")
+
+
+def test_a_sampler_gone_while_the_weight_group_forms_ends_the_trainer_s_wait_at_once():
+    import threading
+
+    from dschat.generation.channel import accept, listen
+
+    sock = listen("127.0.0.1", 0)
+
+    def sampler_that_dies_on_join() -> None:
+        ch = accept(sock, SECRET, 30, print)
+        ch.recv()  # hello
+        ch.send({"ok": True, "message": "", "identities": [""], "backend": "dschat"})
+        ch.recv()  # join: and gone before it joins
+        ch.close()
+
+    threading.Thread(target=sampler_that_dies_on_join, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        open_sampler("127.0.0.1", sock.getsockname()[1], SECRET, RUN, 60)
+    assert time.monotonic() - t0 < 10  # not the 60 s of the weight group's rendezvous
+    assert "closed the connection while joining the weight group" in str(caught.value)

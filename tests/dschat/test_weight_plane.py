@@ -124,7 +124,8 @@ def _side(rank: int, port: int, out: str) -> None:
                     W.probe_logprobs = lambda module: [0.0] * (W.PROBE_LENGTH - 1)  # type: ignore[assignment]
                 kind = "adapter" if case == "lora_adapter" else "full"
                 result["metrics"] = send(sender, ch, group, 7, kind)
-                result["staging"] = {k: [b.data_ptr() for b in st.buffers.values()] for k, st in sender.stages.items()}
+                result["staging"] = {k: [st.slab.data_ptr(), st.total] for k, st in sender.stages.items()
+                                     if st.slab is not None}
                 result["staging_bytes"] = sender.staging_bytes
                 if lora:
                     from dschat.models.lora import merged_state_dict
@@ -166,8 +167,8 @@ def test_a_receiver_takes_the_trainer_s_weights_in_buckets_with_the_version(pair
 
 def test_the_staging_buffers_are_made_once_and_reused(pair):
     first, second = pair["ok"][0], pair["again"][0]
-    assert second["staging"] == first["staging"]  # the same buffers, at the same addresses
-    assert len(first["staging"]["full"]) == len(W.plan_layout(_model(1), "full", 4096).buckets)
+    assert second["staging"] == first["staging"]  # the same slab, at the same address
+    assert first["staging"]["full"][1] == W.plan_layout(_model(1), "full", 4096).nbytes
     trainer, receiver = pair["again"]
     assert "error" not in receiver and receiver["state"] == trainer["state"] != pair["ok"][0]["state"]
 
@@ -274,3 +275,68 @@ def test_a_receiver_gone_mid_update_fails_the_sender_within_the_timeout(tmp_path
     got = json.loads((tmp_path / "sender.json").read_text())
     assert got["said"].startswith("WeightGroupError: a weight transfer failed: "), got
     assert "\n" not in got["said"] and got["seconds"] < TIMEOUT
+
+
+# ------------------------------------------------------------------------------------------------ staging
+def test_the_staging_is_one_slab_of_exactly_its_bytes_and_waits_within_its_timeout():
+    layout = W.plan_layout(_model(1), "full", 4096)
+    whole = W.Staging(layout, torch.device("cpu"), streaming=False, timeout_s=0.5)
+    key, slot = whole.take(1)
+    assert whole.bytes == whole.total == layout.nbytes and slot.numel() == layout.buckets[1].nbytes
+    assert whole.take(2)[1].data_ptr() == slot.data_ptr() + layout.buckets[1].nbytes  # slots of one slab
+    stream = W.Staging(layout, torch.device("cpu"), streaming=True, timeout_s=0.5)
+    a, first = stream.take(0)
+    b, _ = stream.take(1)
+    assert stream.bytes == 2 * layout.capacity and (a, b) == (0, 1)
+    with pytest.raises(W.WeightLinkError) as caught:  # bucket 2 needs slot 0 back: the courier never gives it
+        stream.take(2)
+    assert "within 0.5 s" in str(caught.value)
+    stream.give(0)
+    key, again = stream.take(2)
+    assert key == 0 and again.data_ptr() == first.data_ptr()
+
+
+def test_auto_staging_waits_for_a_training_step_and_room_twice_over(monkeypatch):
+    sender = W.Sender(_model(1), True, streaming=False)
+    layout = sender.layout("full")
+    sender.device = sender.group_device = torch.device("cuda", 0)  # as on a GPU trainer with an NCCL group
+    free = {"bytes": 10 * layout.nbytes}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 10**12))
+    assert sender._where(layout, trained=False) == "host"  # before the first step: its peak is still to come
+    assert sender._where(layout, trained=True) == "device"
+    free["bytes"] = 2 * layout.nbytes - 1
+    assert sender._where(layout, trained=True) == "host"  # not room for it twice over
+    streaming = W.Sender(_model(1), True, streaming=True)
+    streaming.device = streaming.group_device = torch.device("cuda", 0)
+    free["bytes"] = 5 * layout.capacity
+    assert streaming._where(layout, trained=False) == "device"  # K = 0: two buckets, any time
+    sender.group_device = torch.device("cpu")  # gloo: the host stages whatever the choice
+    sender.staging_choice = "device"
+    assert sender._where(layout, trained=True) == "host"
+
+
+class _FakeGroup:
+    """A weight group that 'receives' each bucket by filling it with its index (no peer needed)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.calls = 0
+
+    def broadcast(self, t):
+        t.fill_(self.calls)
+        self.calls += 1
+        return t
+
+
+def test_a_bucket_that_fails_to_load_is_refused_after_every_bucket_was_taken():
+    layout = W.plan_layout(_model(1), "full", 4096)
+    group = _FakeGroup()
+
+    def load(bucket, flat):
+        if bucket is layout.buckets[1]:
+            raise KeyError("model.layers.9.mlp.up_proj.weight")
+
+    sums, problem = W.receive_buckets(group, layout, load, {})
+    assert group.calls == len(layout.buckets) == len(sums)  # the rest still taken: the trainer is not left waiting
+    assert problem.startswith(f"loading the bucket holding {layout.buckets[1].entries[0].name} failed: ")

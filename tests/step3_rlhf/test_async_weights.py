@@ -221,7 +221,8 @@ def test_a_gpu_a_trainer_rank_uses_is_refused_unless_shared(monkeypatch):
 # ------------------------------------------------------------------------------------------------- vLLM
 @needs_vllm
 @pytest.mark.slow
-def test_a_vllm_sampler_fed_by_the_plane_trains_with_the_run_s_vllm_flags(tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_vllm_sampler_fed_by_the_plane_trains_with_the_run_s_vllm_flags(tmp_path, lora):
     from tests.families import build_family
 
     model = build_family("llama3", tmp_path, heads=2)  # 32-wide heads, as vLLM's CPU attention needs
@@ -233,10 +234,15 @@ def test_a_vllm_sampler_fed_by_the_plane_trains_with_the_run_s_vllm_flags(tmp_pa
                    "--max-steps", "2", "--max-answer-seq-len", "10", "--per-device-generation-batch-size", "2",
                    "--per-device-train-batch-size", "2", "--max-eval-rows", "2", "--per-device-eval-batch-size", "2",
                    "--no-progress", "--generation-backend", "vllm", "--vllm-kv-cache-memory", "96",
-                   "--async-rollouts", "--max-staleness", "1", "--output-dir", str(out), timeout=900)
+                   "--async-rollouts", "--max-staleness", "1", "--output-dir", str(out),
+                   *(["--actor-lora-dim", "8", "--actor-lora-module-name", "q_proj,v_proj"] if lora else []),
+                   timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[sampler] vLLM torch.float32 | max length " in proc.stderr and "KV cache 96 MiB" in proc.stderr
+    assert ("LoRA rank 8 x 2 adapters" in proc.stderr) == lora  # vLLM's own adapters, K + 1 of them
     rows = async_rows(out)
     assert len(rows) == 2 and all(r["sync/bytes"] > 0 for r in rows if "sync/bytes" in r)
+    if lora:  # after the first, the adapters alone
+        assert rows[-1]["sync/bytes"] < 0.1 * max(r["sync/bytes"] for r in rows) or len(rows) < 2
     assert all(abs(r["async/is_weight_mean"] - 1) <= 0.05 for r in rows)  # vLLM's log-probs are the trainer's
     assert torch.cuda.is_available() or "GPU memory share" not in proc.stderr
